@@ -1,0 +1,47 @@
+"""dcpstore: PyTorch Distributed Checkpoint (DCP) to object storage.
+
+``ObjectStoreWriter`` / ``ObjectStoreReader`` plug into ``dcp.save`` /
+``dcp.load``; ``AsyncCheckpointer`` is the training-loop API: it stages
+shards, uploads them in the background, commits each step by writing its
+``.metadata`` last, and reuses save plans across saves and restarts.
+"""
+
+from .errors import (
+    BucketNotFoundError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CheckpointSaveError,
+    CheckpointTimeoutError,
+    CorruptCheckpointError,
+    DcpstoreError,
+    ObjectNotFoundError,
+    StateDictMismatchError,
+    StorageAccessError,
+    TransientStorageError,
+)
+from .planner_data import ALL_LOCAL_PLANS_KEY, read_checksums, read_plans
+from .reader import ObjectStoreReader
+from .storage import RetryPolicy, TransferConfig, open_store
+from .writer import ObjectStoreWriter
+
+__all__ = [
+    "ALL_LOCAL_PLANS_KEY",
+    "BucketNotFoundError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CheckpointSaveError",
+    "CheckpointTimeoutError",
+    "CorruptCheckpointError",
+    "DcpstoreError",
+    "ObjectNotFoundError",
+    "ObjectStoreReader",
+    "ObjectStoreWriter",
+    "RetryPolicy",
+    "StateDictMismatchError",
+    "StorageAccessError",
+    "TransferConfig",
+    "TransientStorageError",
+    "open_store",
+    "read_checksums",
+    "read_plans",
+]

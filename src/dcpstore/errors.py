@@ -1,0 +1,62 @@
+"""The exceptions dcpstore raises.
+
+Every class also derives from the standard exception a caller would catch
+without knowing dcpstore (``FileNotFoundError``, ``ValueError``, ...), so
+generic handlers keep working, while ``except DcpstoreError`` catches them all.
+Messages always name the object (URL) and the cause.
+"""
+
+from __future__ import annotations
+
+
+class DcpstoreError(Exception):
+    """Base class of every error raised by dcpstore."""
+
+
+class ObjectNotFoundError(DcpstoreError, FileNotFoundError):
+    """An object or bucket that should exist does not."""
+
+
+class BucketNotFoundError(ObjectNotFoundError):
+    """The bucket named in a URL does not exist."""
+
+
+class CheckpointNotFoundError(DcpstoreError, FileNotFoundError):
+    """A prefix holds no ``.metadata`` object: an incomplete or missing checkpoint."""
+
+
+class CheckpointExistsError(DcpstoreError, FileExistsError):
+    """A save targets a prefix that already holds a committed checkpoint."""
+
+
+class CorruptCheckpointError(DcpstoreError, ValueError):
+    """A shard object is truncated, or its bytes do not match their checksum."""
+
+
+class StateDictMismatchError(DcpstoreError, ValueError):
+    """The state dict to load does not match the checkpoint (keys or shapes)."""
+
+
+class StorageAccessError(DcpstoreError, PermissionError):
+    """The store refused the request: wrong credentials or missing permissions."""
+
+
+class TransientStorageError(DcpstoreError, OSError):
+    """A request kept failing with retryable errors until the retry budget ran out."""
+
+
+class CheckpointSaveError(DcpstoreError, RuntimeError):
+    """A save failed on one or more ranks; the step was not committed.
+
+    ``failures`` maps rank to a one-line description of what failed there.
+    """
+
+    def __init__(self, url: str, failures: dict[int, str]):
+        self.url = url
+        self.failures = dict(failures)
+        detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(self.failures.items()))
+        super().__init__(f"checkpoint {url} was not committed: {detail}")
+
+
+class CheckpointTimeoutError(DcpstoreError, TimeoutError):
+    """A background save did not finish within its timeout."""

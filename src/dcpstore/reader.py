@@ -1,0 +1,210 @@
+"""``ObjectStoreReader``: a DCP ``StorageReader`` with concurrent ranged reads.
+
+It reads only the bytes each ``ReadItem`` needs (one ranged GET per stored
+item, split further for large items), keeps a bounded window of them in
+flight, and hands them to the planner in plan order on the calling thread,
+because DCP planners are not required to be thread-safe.  Items recorded with
+a crc32 (see ``planner_data``) are checked before they are deserialized.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import uuid
+import zlib
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+
+from . import planner_data
+from .errors import (
+    BucketNotFoundError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    StateDictMismatchError,
+)
+from .storage import ObjectStore, TransferConfig, open_store
+from .writer import METADATA_KEY
+
+
+class ObjectStoreReader(StorageReader):
+    """Read DCP checkpoints from ``url``; any DCP checkpoint, not only dcpstore's.
+
+    Args:
+        url: the checkpoint prefix.
+        storage_options: passed to fsspec; kept across ``reset``.
+        transfer: part size, concurrency, timeouts and retries.
+        readahead_bytes: bytes of item data fetched ahead of the one being
+            deserialized; bounds the reader's extra host memory.
+        verify_checksums: check each item's crc32 when the checkpoint has them.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        transfer: TransferConfig | None = None,
+        readahead_bytes: int = 512 << 20,
+        verify_checksums: bool = True,
+    ):
+        super().__init__()
+        self.storage_options = dict(storage_options or {})
+        self.transfer = transfer or TransferConfig()
+        self.readahead_bytes = readahead_bytes
+        self.verify_checksums = verify_checksums
+        self.metadata: Metadata | None = None
+        self.reset(url)
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.url = str(checkpoint_id).rstrip("/")
+            self.store: ObjectStore = open_store(self.url, self.storage_options, self.transfer)
+        self.load_id = uuid.uuid4().hex
+        self.storage_data: dict = {}
+        self._checksums: dict = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(self.store)
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        self.metadata = metadata
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if metadata.storage_data is None:
+            raise CorruptCheckpointError(f"{self.store.url_for(METADATA_KEY)}: metadata has no storage_data")
+        self.storage_data = metadata.storage_data
+        self._checksums = planner_data.read_checksums(metadata) if self.verify_checksums else {}
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        # Several ReadItems may need the same stored item (resharding): fetch it once.
+        needed: dict[Any, list[ReadItem]] = collections.OrderedDict()
+        for req in plan.items:
+            if req.storage_index not in self.storage_data:
+                raise StateDictMismatchError(
+                    f"{self.url}: the checkpoint has no stored data for {req.storage_index.fqn!r} "
+                    f"(offset {tuple(req.storage_index.offset or ())})"
+                )
+            needed.setdefault(req.storage_index, []).append(req)
+
+        pending: collections.deque = collections.deque()
+        in_flight = 0
+        queue = list(needed.items())
+        position = 0
+        while position < len(queue) or pending:
+            while position < len(queue) and (not pending or in_flight < self.readahead_bytes):
+                index, reqs = queue[position]
+                info: _StorageInfo = self.storage_data[index]
+                fut = self.store.get_range_async(info.relative_path, info.offset, info.offset + info.length)
+                pending.append((index, reqs, info, fut))
+                in_flight += info.length
+                position += 1
+            index, reqs, info, fut = pending.popleft()
+            in_flight -= info.length
+            self._deliver(reqs, info, fut.result(), planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _deliver(self, reqs: list[ReadItem], info: _StorageInfo, raw: bytes, planner: LoadPlanner) -> None:
+        where = f"{self.store.url_for(info.relative_path)} (item {reqs[0].storage_index.fqn!r}, bytes {info.offset}+{info.length})"
+        expected = self._checksums.get(reqs[0].storage_index)
+        if expected is not None and zlib.crc32(raw) != expected:
+            raise CorruptCheckpointError(f"{where}: checksum mismatch, the shard object is corrupted")
+        if info.transform_descriptors:
+            raise CorruptCheckpointError(f"{where}: stream transforms {info.transform_descriptors} are not supported")
+        if reqs[0].type == LoadItemType.BYTE_IO:
+            for req in reqs:
+                planner.load_bytes(req, io.BytesIO(raw))
+            return
+        try:
+            stored = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any failure here means bad bytes
+            raise CorruptCheckpointError(f"{where}: cannot deserialize the tensor ({e})") from e
+        for req in reqs:
+            tensor = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise StateDictMismatchError(
+                    f"{where}: shape {tuple(tensor.size())} in the checkpoint does not fit "
+                    f"{tuple(target.size())} in the state dict"
+                )
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return "://" in str(checkpoint_id)
+
+
+def read_metadata(store: ObjectStore) -> Metadata:
+    """The committed ``Metadata`` under ``store``'s root, with dcpstore's extras set aside.
+
+    Raises ``CheckpointNotFoundError`` when there is no ``.metadata`` object:
+    whatever shards lie there, that prefix is no checkpoint.
+    """
+    try:
+        raw = store.get(METADATA_KEY)
+    except BucketNotFoundError:
+        raise
+    except ObjectNotFoundError:
+        raise CheckpointNotFoundError(
+            f"{store.url_for(METADATA_KEY)}: no metadata object: incomplete or missing checkpoint"
+        ) from None
+    try:
+        metadata = pickle.loads(raw)
+    except Exception as e:  # noqa: BLE001
+        raise CorruptCheckpointError(f"{store.url_for(METADATA_KEY)}: cannot unpickle the metadata ({e})") from e
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(f"{store.url_for(METADATA_KEY)}: holds a {type(metadata).__name__}, not Metadata")
+    user, extras = planner_data.split(metadata.planner_data)
+    if user is not metadata.planner_data:
+        # The user's planner stored a non-dict: give it back as it was.
+        metadata.planner_data = user
+        setattr(metadata, planner_data.DCPSTORE_ATTR, extras)
+    return metadata
+
+
+def check_state_dict(state_dict: dict[str, Any], metadata: Metadata, where: str) -> None:
+    """Raise ``StateDictMismatchError`` listing keys or shapes that do not match."""
+    flat, _ = flatten_state_dict(_flatten_sharded_tensors(state_dict))
+    stored = metadata.state_dict_metadata
+    missing = sorted(k for k in flat if k not in stored)
+    wrong = []
+    for key, value in flat.items():
+        md = stored.get(key)
+        if isinstance(value, (torch.Tensor, DTensor)) and isinstance(md, TensorStorageMetadata):
+            if tuple(value.size()) != tuple(md.size):
+                wrong.append(f"{key}: {tuple(md.size)} in the checkpoint vs {tuple(value.size())}")
+    problems = []
+    if missing:
+        problems.append(f"keys missing from the checkpoint: {', '.join(missing[:10])}" + (" ..." if len(missing) > 10 else ""))
+    if wrong:
+        problems.append(f"shape mismatches: {'; '.join(wrong[:10])}" + (" ..." if len(wrong) > 10 else ""))
+    if problems:
+        raise StateDictMismatchError(f"{where}: the state dict does not match the checkpoint: {'; '.join(problems)}")

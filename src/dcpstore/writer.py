@@ -1,0 +1,307 @@
+"""``ObjectStoreWriter``: a DCP ``StorageWriter`` for any fsspec URL, S3 first.
+
+Layout is torch's standard one, so stock ``FsspecReader`` loads it: each rank
+writes shard objects ``__{rank}_{n}.distcp`` holding its items back to back
+(tensors as ``torch.save`` archives, bytes items raw), ``storage_data`` maps
+every ``MetadataIndex`` to a ``_StorageInfo(relative_path, offset, length)``,
+and the coordinator writes the pickled ``Metadata`` as ``.metadata``.
+
+Commit protocol: ``.metadata`` is written by ``finish()`` only, as one PUT,
+and DCP calls ``finish()`` only after every rank's ``write_data`` succeeded.
+A prefix without ``.metadata`` is not a checkpoint, so a crash at any moment
+leaves either the previous state or the new, complete one.
+
+Plans: every rank's local plan rides to the coordinator inside its
+``SavePlan.storage_data`` (set in ``prepare_local_plan``).  The planner's
+global step (dedup, metadata) keeps ``storage_data``, so the coordinator's
+``prepare_global_plan`` recovers the plans exactly as the ranks made them,
+before dedup, whatever ``SavePlanner`` is in use -- including the one
+``dcp.save`` creates itself when the caller passes none, which no wrapper
+could reach.  ``finish()`` persists them under a reserved ``planner_data``
+key (see ``planner_data``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import io
+import logging
+import os
+import pickle
+import uuid
+import zlib
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import (
+    CURRENT_DCP_VERSION,
+    DEFAULT_SUFFIX,
+    _split_by_size_and_type,
+    _StorageInfo,
+    _StoragePrefix,
+)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import planner_data
+from .errors import CheckpointExistsError
+from .storage import ObjectStore, ObjectWriter, TransferConfig, open_store
+
+logger = logging.getLogger(__name__)
+
+METADATA_KEY = ".metadata"
+
+
+@dataclasses.dataclass(frozen=True)
+class _LocalPlanCarrier:
+    """Carries a rank's own local plan through DCP's gather in ``storage_data``."""
+
+    plan: SavePlan
+
+
+@dataclasses.dataclass(frozen=True)
+class ChecksummedWriteResult(WriteResult):
+    """A ``WriteResult`` that also carries the crc32 of the item's stored bytes.
+
+    It only travels between ranks; ``.metadata`` stores plain torch types.
+    """
+
+    crc32: int = 0
+
+
+class _ChecksummingStream:
+    """Counts and checksums what ``torch.save`` writes, item by item."""
+
+    def __init__(self, inner: ObjectWriter):
+        self._inner = inner
+        self.crc = 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)  # releases the GIL on large buffers
+        return self._inner.write(data)
+
+    def tell(self) -> int:
+        return self._inner.tell()
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+
+def _cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """What ``torch.save`` must see: a CPU tensor that owns exactly its bytes.
+
+    ``torch.save`` writes a tensor's whole storage, so a view into a larger
+    buffer is cloned, as torch's ``FileSystemWriter`` does.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")
+    if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or not tensor.is_contiguous():
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
+def write_items(
+    stream: ObjectWriter,
+    relative_path: str,
+    items: list[WriteItem],
+    planner: SavePlanner,
+) -> list[ChecksummedWriteResult]:
+    """Serialize ``items`` back to back into ``stream``, as torch's FileSystemWriter lays them out."""
+    results = []
+    checked = _ChecksummingStream(stream)
+    for item in items:
+        data = planner.resolve_data(item)
+        offset = stream.tell()
+        checked.crc = 0
+        if item.type == WriteItemType.BYTE_IO:
+            checked.write(data.getbuffer())
+        else:
+            torch.save(_cpu_tensor(data), checked)
+        length = stream.tell() - offset
+        results.append(
+            ChecksummedWriteResult(
+                index=item.index,
+                size_in_bytes=length,
+                storage_data=_StorageInfo(relative_path, offset, length),
+                crc32=checked.crc,
+            )
+        )
+    return results
+
+
+class ObjectStoreWriter(StorageWriter):
+    """Write DCP checkpoints to ``url`` (``s3://bucket/prefix``, ``file://...``, ``memory://...``).
+
+    Args:
+        url: the checkpoint prefix.  ``reset(checkpoint_id)`` may change it.
+        storage_options: passed to fsspec (for S3: s3fs options such as
+            ``endpoint_url``, ``key``, ``secret``, ``profile``).  Kept across
+            ``reset``.  The endpoint also comes from ``AWS_ENDPOINT_URL``.
+        overwrite: allow saving over a committed checkpoint.  The new shards
+            get fresh names and the old ones are deleted only after the new
+            ``.metadata`` is committed, so a failed overwrite loses nothing.
+        objects_per_rank: shard objects per rank, uploaded concurrently.
+        transfer: part size, concurrency, timeouts and retries.
+        checksums: record a crc32 per item, checked on load.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        overwrite: bool = False,
+        objects_per_rank: int = 4,
+        transfer: TransferConfig | None = None,
+        checksums: bool = True,
+    ):
+        super().__init__()
+        if objects_per_rank < 1:
+            raise ValueError("objects_per_rank must be >= 1")
+        self.storage_options = dict(storage_options or {})
+        self.transfer = transfer or TransferConfig()
+        self.overwrite = overwrite
+        self.objects_per_rank = objects_per_rank
+        self.checksums = checksums
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.reset(url)
+
+    # -- StorageWriter ----------------------------------------------------------
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.url = str(checkpoint_id).rstrip("/")
+            self.store: ObjectStore = open_store(self.url, self.storage_options, self.transfer)
+        self.save_id = uuid.uuid4().hex
+        self.rank = 0
+        self.is_coordinator = True
+        self._all_local_plans: list[SavePlan] | None = None
+        self._replacing = False
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank") or 0
+        if not kwargs.get("use_collectives", True):
+            raise ValueError(
+                f"{self.url}: dcp.save(use_collectives=False) writes no global .metadata, "
+                "and dcpstore commits a checkpoint by that object; save with collectives"
+            )
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        self.check_destination()
+        return dataclasses.replace(plan, storage_data=_LocalPlanCarrier(planner_data.strip_plan(plan)))
+
+    def check_destination(self) -> bool:
+        """Refuse to save over a committed checkpoint unless ``overwrite``; True if one is there."""
+        committed = self.store.exists(METADATA_KEY)
+        if committed and not self.overwrite:
+            raise CheckpointExistsError(
+                f"{self.store.url_for(METADATA_KEY)}: a committed checkpoint already exists here; "
+                "pass overwrite=True to replace it"
+            )
+        return committed
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        carried = [p.storage_data.plan if isinstance(p.storage_data, _LocalPlanCarrier) else None for p in plans]
+        self.remember_local_plans(carried)
+        self._replacing = self.overwrite and self.store.exists(METADATA_KEY)
+        # Over a committed checkpoint, new shards get names of their own so the
+        # old checkpoint stays whole until the new .metadata replaces it.
+        generation = f"{self.save_id[:8]}_" if self._replacing else ""
+        return [
+            dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{rank}_{generation}"))
+            for rank, plan in enumerate(plans)
+        ]
+
+    def remember_local_plans(self, plans: list[SavePlan | None]) -> None:
+        """The local plans ``finish()`` persists; ``None`` entries mean unknown."""
+        if plans and all(p is not None for p in plans):
+            self._all_local_plans = [planner_data.strip_plan(p) for p in plans]
+        else:
+            self._all_local_plans = None
+            logger.warning(
+                "%s: the planner dropped SavePlan.storage_data, so the local plans "
+                "cannot be persisted; a restart will plan in full",
+                self.url,
+            )
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix: _StoragePrefix = plan.storage_data
+        buckets = [b for b in _split_by_size_and_type(self.objects_per_rank, list(plan.items)) if b]
+        names = [f"{prefix.prefix}{n}{DEFAULT_SUFFIX}" for n in range(len(buckets))]
+
+        def upload(name: str, items: list[WriteItem]) -> list[ChecksummedWriteResult]:
+            with self.store.open_writer(name) as stream:
+                return write_items(stream, name, items, planner)
+
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self.objects_per_rank, thread_name_prefix="dcpstore-shard"
+            )
+        futures = [self._executor.submit(upload, n, b) for n, b in zip(names, buckets)]
+        results: list[WriteResult] = []
+        errors = []
+        for name, fut in zip(names, futures):
+            try:
+                results.extend(fut.result())
+            except Exception as e:  # noqa: BLE001 - collected, first one raised
+                errors.append((name, e))
+        if errors:
+            name, first = errors[0]
+            if isinstance(first, OSError):  # storage errors already name the object
+                raise first
+            raise RuntimeError(f"{self.store.url_for(name)}: could not serialize: {first!r}") from first
+        out: Future[list[WriteResult]] = Future()
+        out.set_result(results)
+        return out
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        storage_data = {}
+        checksums = {}
+        for rank_results in results:
+            for wr in rank_results:
+                storage_data[wr.index] = wr.storage_data
+                if self.checksums and isinstance(wr, ChecksummedWriteResult):
+                    checksums[wr.index] = wr.crc32
+        extras: dict[str, Any] = {}
+        if checksums:
+            extras[planner_data.CHECKSUMS_KEY] = checksums
+        if self._all_local_plans is not None:
+            extras[planner_data.ALL_LOCAL_PLANS_KEY] = self._all_local_plans
+        # Mutated in place, as torch's writers do: dcp.save returns this object.
+        metadata.version = CURRENT_DCP_VERSION
+        metadata.storage_data = storage_data
+        metadata.storage_meta = self.storage_meta()
+        metadata.planner_data = planner_data.embed(metadata.planner_data, extras)
+        self.store.put(METADATA_KEY, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
+        if self._replacing:
+            self._delete_replaced_shards(storage_data)
+
+    def _delete_replaced_shards(self, storage_data: dict) -> None:
+        live = {info.relative_path for info in storage_data.values()}
+        stale = [o.key for o in self.store.list() if o.key.endswith(DEFAULT_SUFFIX) and o.key not in live]
+        if stale:
+            self.store.delete(stale)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.url
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return "://" in str(checkpoint_id)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
