@@ -6,6 +6,7 @@ shards, uploads them in the background, commits each step by writing its
 ``.metadata`` last, and reuses save plans across saves and restarts.
 """
 
+from .checkpointer import AsyncCheckpointer, SaveHandle, SaveStats
 from .errors import (
     BucketNotFoundError,
     CheckpointExistsError,
@@ -19,6 +20,7 @@ from .errors import (
     StorageAccessError,
     TransientStorageError,
 )
+from .plan_cache import PlanCache
 from .planner_data import ALL_LOCAL_PLANS_KEY, read_checksums, read_plans
 from .reader import ObjectStoreReader
 from .storage import RetryPolicy, TransferConfig, open_store
@@ -26,6 +28,7 @@ from .writer import ObjectStoreWriter
 
 __all__ = [
     "ALL_LOCAL_PLANS_KEY",
+    "AsyncCheckpointer",
     "BucketNotFoundError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
@@ -36,7 +39,10 @@ __all__ = [
     "ObjectNotFoundError",
     "ObjectStoreReader",
     "ObjectStoreWriter",
+    "PlanCache",
     "RetryPolicy",
+    "SaveHandle",
+    "SaveStats",
     "StateDictMismatchError",
     "StorageAccessError",
     "TransferConfig",

@@ -182,7 +182,7 @@ class ObjectStoreWriter(StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
-        self._all_local_plans: list[SavePlan] | None = None
+        self.all_local_plans: list[SavePlan] | None = None
         self._replacing = False
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -196,6 +196,11 @@ class ObjectStoreWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.check_destination()
+        return self.attach_local_plan(plan)
+
+    @staticmethod
+    def attach_local_plan(plan: SavePlan) -> SavePlan:
+        """``plan`` carrying a copy of itself to ``prepare_global_plan``."""
         return dataclasses.replace(plan, storage_data=_LocalPlanCarrier(planner_data.strip_plan(plan)))
 
     def check_destination(self) -> bool:
@@ -223,9 +228,9 @@ class ObjectStoreWriter(StorageWriter):
     def remember_local_plans(self, plans: list[SavePlan | None]) -> None:
         """The local plans ``finish()`` persists; ``None`` entries mean unknown."""
         if plans and all(p is not None for p in plans):
-            self._all_local_plans = [planner_data.strip_plan(p) for p in plans]
+            self.all_local_plans = [planner_data.strip_plan(p) for p in plans]
         else:
-            self._all_local_plans = None
+            self.all_local_plans = None
             logger.warning(
                 "%s: the planner dropped SavePlan.storage_data, so the local plans "
                 "cannot be persisted; a restart will plan in full",
@@ -273,13 +278,15 @@ class ObjectStoreWriter(StorageWriter):
         extras: dict[str, Any] = {}
         if checksums:
             extras[planner_data.CHECKSUMS_KEY] = checksums
-        if self._all_local_plans is not None:
-            extras[planner_data.ALL_LOCAL_PLANS_KEY] = self._all_local_plans
+        if self.all_local_plans is not None:
+            extras[planner_data.ALL_LOCAL_PLANS_KEY] = self.all_local_plans
         # Mutated in place, as torch's writers do: dcp.save returns this object.
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
-        metadata.planner_data = planner_data.embed(metadata.planner_data, extras)
+        # split() first: a reused (cached) Metadata already carries last save's extras.
+        user_planner_data, _ = planner_data.split(metadata.planner_data)
+        metadata.planner_data = planner_data.embed(user_planner_data, extras)
         self.store.put(METADATA_KEY, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
         if self._replacing:
             self._delete_replaced_shards(storage_data)

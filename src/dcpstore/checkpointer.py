@@ -1,0 +1,453 @@
+"""``AsyncCheckpointer``: what a training loop calls.
+
+``save(state_dict, step)`` blocks only while the rank's items are staged into
+reused host buffers (see ``staging``).  Everything else runs on one
+background thread per checkpointer, in the same order on every rank:
+
+1. plan: one all-reduce of a "my local plan is unchanged" flag; only if some
+   rank's plan changed (or nothing is cached) do the plans travel
+   (gather + scatter for central planning, one all-gather for decentralized
+   planning);
+2. upload: the rank's shard objects, through the store's multipart path;
+3. commit: write results are gathered on the coordinator, which writes
+   ``.metadata`` as the last object only if every rank succeeded, then tells
+   every rank the outcome.  A failure anywhere leaves no ``.metadata``, and
+   every rank raises ``CheckpointSaveError`` from ``maybe_finalize``/``wait``.
+
+Collectives run on a gloo group of the checkpointer's own (created from the
+default group, or passed in), so they never interleave with the training
+job's NCCL or gloo collectives.  That group's timeout bounds every wait on a
+peer: a rank that dies mid-save becomes an error on the others, not a hang.
+Storage requests are bounded by connect/read timeouts and the retry policy.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .errors import CheckpointExistsError, CheckpointNotFoundError, CheckpointSaveError, CheckpointTimeoutError
+from .layout import committed_steps, list_steps, step_prefix
+from .plan_cache import CachedPlan, PlanCache
+from .reader import ObjectStoreReader, check_state_dict
+from .staging import StagedItems, StagingPool
+from .storage import TransferConfig, open_store
+from .writer import ObjectStoreWriter
+
+logger = logging.getLogger(__name__)
+
+PLANNING_MODES = ("central", "decentralized")
+
+
+@dataclasses.dataclass
+class SaveStats:
+    """What one save cost; filled in as the save progresses."""
+
+    step: int
+    blocking_s: float = 0.0  # time save() held the training thread
+    planning_s: float = 0.0  # flag all-reduce, plus plan exchange when not cached
+    plan_reused: bool = False
+    upload_s: float = 0.0
+    commit_s: float = 0.0
+    staged_bytes: int = 0
+
+
+class SaveHandle:
+    """A pending save.  ``result()`` blocks until committed and returns its stats."""
+
+    def __init__(self, step: int, url: str, future: concurrent.futures.Future, stats: SaveStats):
+        self.step, self.url, self._future, self.stats = step, url, future, stats
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> SaveStats:
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise CheckpointTimeoutError(f"{self.url}: save of step {self.step} not committed after {timeout}s") from None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class _Collectives:
+    """Object collectives on the checkpointer's group; no-ops in a single process."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.enabled = group is not None
+        self.rank = dist.get_rank(group) if self.enabled else 0
+        self.world_size = dist.get_world_size(group) if self.enabled else 1
+        self.coordinator = dist.get_global_rank(group, 0) if self.enabled else 0
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def all_min(self, values: list[int]) -> list[int]:
+        if not self.enabled:
+            return values
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return t.tolist()
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        if not self.enabled:
+            return [obj]
+        out = [None] * self.world_size if self.is_coordinator else None
+        dist.gather_object(obj, out, dst=self.coordinator, group=self.group)
+        return out
+
+    def scatter(self, objs: list[Any] | None) -> Any:
+        if not self.enabled:
+            return objs[0]
+        out = [None]
+        dist.scatter_object_list(out, objs if self.is_coordinator else None, src=self.coordinator, group=self.group)
+        return out[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.enabled:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        if not self.enabled:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.coordinator, group=self.group)
+        return box[0]
+
+
+class _Failure:
+    """An exception's description, sent to peers in place of a result."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+@dataclasses.dataclass
+class _SaveJob:
+    step: int
+    url: str
+    planner: SavePlanner
+    local_plan: SavePlan
+    staged: StagedItems
+    stats: SaveStats
+
+
+class AsyncCheckpointer:
+    """Asynchronous, plan-caching DCP checkpoints of a training job, one step per prefix.
+
+    Args:
+        root: where steps go: ``{root}/step_{step:08d}/`` (``s3://bucket/run-7``).
+        process_group: a gloo group for the checkpointer's collectives.  By
+            default one is created from the default group (a collective call:
+            construct the checkpointer on every rank).
+        storage_options: passed to fsspec (see ``ObjectStoreWriter``).
+        keep_last: after each commit, delete committed steps beyond the
+            newest ``keep_last`` (never the newest one).  ``None`` keeps all.
+        planning: ``"central"`` (torch's gather/scatter through a
+            coordinator) or ``"decentralized"`` (one all-gather; every rank
+            builds the global plan itself).
+        planner_factory: makes the ``SavePlanner`` of each save
+            (``DefaultSavePlanner`` by default).
+        max_in_flight: saves that may be uploading at once.  ``save`` while
+            that many are pending first waits for the oldest to commit (and
+            raises if it failed).  Each in-flight save holds its own pool.
+        collective_timeout: bound on every wait for a peer rank.
+        transfer, objects_per_rank: see ``ObjectStoreWriter``.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        process_group: dist.ProcessGroup | None = None,
+        storage_options: dict[str, Any] | None = None,
+        keep_last: int | None = None,
+        *,
+        planning: str = "central",
+        planner_factory: Callable[[], SavePlanner] = DefaultSavePlanner,
+        max_in_flight: int = 1,
+        collective_timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+        transfer: TransferConfig | None = None,
+        objects_per_rank: int = 4,
+        pin_memory: bool | None = None,
+    ):
+        if planning not in PLANNING_MODES:
+            raise ValueError(f"planning must be one of {PLANNING_MODES}, got {planning!r}")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError("keep_last must be >= 1 or None")
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be >= 1")
+        self.root = str(root).rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.keep_last = keep_last
+        self.planning = planning
+        self.planner_factory = planner_factory
+        self.max_in_flight = max_in_flight
+        self.transfer = transfer or TransferConfig()
+        self.store = open_store(self.root, self.storage_options, self.transfer)
+        if process_group is None and dist.is_available() and dist.is_initialized():
+            process_group = dist.new_group(backend="gloo", timeout=collective_timeout)
+        self._coll = _Collectives(process_group)
+        self.plan_cache = PlanCache()
+        self._writer = ObjectStoreWriter(
+            self.root, storage_options=self.storage_options, transfer=self.transfer, objects_per_rank=objects_per_rank
+        )
+        self._pools = [StagingPool(pin_memory) for _ in range(max_in_flight)]
+        self._next_pool = 0
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpstore-save")
+        self._pending: list[SaveHandle] = []
+        self._lock = threading.Lock()
+        self.last_stats: SaveStats | None = None
+        self._closed = False
+
+    @property
+    def rank(self) -> int:
+        return self._coll.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._coll.world_size
+
+    def step_url(self, step: int) -> str:
+        return f"{self.root}/{step_prefix(step)}"
+
+    # -- saving ---------------------------------------------------------------------
+
+    def save(self, state_dict: dict[str, Any], step: int) -> SaveHandle:
+        """Stage ``state_dict`` and return; upload and commit continue in the background."""
+        if self._closed:
+            raise RuntimeError("AsyncCheckpointer is closed")
+        while len(self._pending) >= self.max_in_flight:
+            self._finalize(self._pending[0], timeout=None)
+        t0 = time.perf_counter()
+        stats = SaveStats(step=step)
+        url = self.step_url(step)
+        state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+        planner = self.planner_factory()
+        planner.set_up_planner(state_dict=state_dict, storage_meta=None, is_coordinator=self._coll.is_coordinator)
+        local_plan = planner.create_local_plan()
+        pool = self._pools[self._next_pool]
+        self._next_pool = (self._next_pool + 1) % len(self._pools)
+        staged = pool.stage(list(local_plan.items), planner)
+        stats.staged_bytes = staged.nbytes
+        job = _SaveJob(step, url, planner, local_plan, staged, stats)
+        future = self._executor.submit(self._run, job)
+        stats.blocking_s = time.perf_counter() - t0
+        handle = SaveHandle(step, url, future, stats)
+        self._pending.append(handle)
+        return handle
+
+    def maybe_finalize(self) -> list[int]:
+        """Collect saves that finished, without blocking; returns the steps committed.
+
+        Raises ``CheckpointSaveError`` (on every rank) for a save that failed.
+        """
+        committed = []
+        while self._pending and self._pending[0].done():
+            committed.append(self._finalize(self._pending[0], timeout=0).step)
+        return committed
+
+    def wait(self, timeout: float | None = None) -> list[int]:
+        """Block until every pending save is committed; raise on the first failure."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        committed = []
+        while self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            committed.append(self._finalize(self._pending[0], timeout=left).step)
+        return committed
+
+    def _finalize(self, handle: SaveHandle, timeout: float | None) -> SaveStats:
+        try:
+            stats = handle.result(timeout)
+        except CheckpointTimeoutError:
+            raise
+        except BaseException:
+            self._pending.remove(handle)
+            raise
+        self._pending.remove(handle)
+        self.last_stats = stats
+        return stats
+
+    # -- the background pipeline -------------------------------------------------------
+
+    def _run(self, job: _SaveJob) -> SaveStats:
+        job.staged.wait_ready()
+        writer = self._writer
+        writer.reset(job.url)
+        writer.set_up_storage_writer(self._coll.is_coordinator, rank=self.rank)
+
+        t0 = time.perf_counter()
+        error = None
+        try:
+            if writer.check_destination():
+                raise CheckpointExistsError(f"{job.url}: step {job.step} is already committed")
+        except Exception as e:  # noqa: BLE001 - must still join the collective below
+            error = e
+        cached = self.plan_cache.lookup(job.local_plan, self.world_size) if error is None else None
+        reuse, all_ok = self._coll.all_min([int(cached is not None), int(error is None)])
+        if not all_ok:
+            self._raise_everywhere(job.url, error)
+        if reuse:
+            central_plan, metadata = cached.central_plan, cached.metadata
+            if cached.all_local_plans is not None:
+                writer.remember_local_plans(cached.all_local_plans)
+        else:
+            central_plan, metadata = self._plan(job, writer)
+        job.stats.plan_reused = bool(reuse)
+        job.stats.planning_s = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        results, error = None, None
+        try:
+            final_plan = job.planner.finish_plan(central_plan)
+            results = writer.write_data(final_plan, job.staged).value()
+        except Exception as e:  # noqa: BLE001 - reported to the coordinator
+            error = e
+        job.stats.upload_s = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        self._commit(job, writer, metadata, results, error)
+        job.stats.commit_s = time.perf_counter() - t2
+        return job.stats
+
+    def _plan(self, job: _SaveJob, writer: ObjectStoreWriter) -> tuple[SavePlan, Metadata | None]:
+        """Full planning; fills the plan cache."""
+        local = writer.attach_local_plan(job.local_plan)
+        if self.planning == "decentralized":
+            all_local = self._coll.all_gather(local)
+            global_plans, metadata = job.planner.create_global_plan(all_local)
+            central_plan = writer.prepare_global_plan(global_plans)[self.rank]
+            self.plan_cache.store(
+                CachedPlan(job.local_plan, central_plan, self.world_size, metadata, writer.all_local_plans)
+            )
+            return central_plan, metadata
+
+        gathered = self._coll.gather(local)
+        metadata = None
+        payload = None
+        if self._coll.is_coordinator:
+            try:
+                global_plans, metadata = job.planner.create_global_plan(gathered)
+                payload = writer.prepare_global_plan(global_plans)
+            except Exception as e:  # noqa: BLE001 - sent to every rank
+                payload = [_Failure(_describe(e))] * self.world_size
+        central_plan = self._coll.scatter(payload)
+        if isinstance(central_plan, _Failure):
+            raise CheckpointSaveError(job.url, {0: f"global planning failed: {central_plan.message}"})
+        self.plan_cache.store(CachedPlan(job.local_plan, central_plan, self.world_size, metadata, writer.all_local_plans))
+        return central_plan, metadata
+
+    def _commit(self, job: _SaveJob, writer: ObjectStoreWriter, metadata, results, error) -> None:
+        gathered = self._coll.gather(_Failure(_describe(error)) if error is not None else results)
+        outcome: dict[int, str] | None = None
+        if self._coll.is_coordinator:
+            failures = {r: g.message for r, g in enumerate(gathered) if isinstance(g, _Failure)}
+            if not failures:
+                try:
+                    writer.finish(metadata, gathered)
+                except Exception as e:  # noqa: BLE001
+                    failures[self.rank] = f"writing .metadata failed: {_describe(e)}"
+            outcome = failures or None
+        outcome = self._coll.broadcast(outcome)
+        if outcome:
+            raise CheckpointSaveError(job.url, outcome) from error
+        if self._coll.is_coordinator and self.keep_last is not None:
+            try:
+                self._prune()
+            except Exception as e:  # noqa: BLE001 - the step is committed; pruning is best effort
+                logger.warning("%s: keep_last=%d pruning failed: %s", self.root, self.keep_last, e)
+
+    def _raise_everywhere(self, url: str, error: BaseException | None) -> None:
+        messages = self._coll.all_gather(_describe(error) if error is not None else None)
+        raise CheckpointSaveError(url, {r: m for r, m in enumerate(messages) if m is not None}) from error
+
+    def _prune(self) -> None:
+        """Delete committed steps beyond the newest ``keep_last`` (coordinator only)."""
+        steps = committed_steps(self.store)
+        for step in steps[: -self.keep_last]:
+            prefix = step_prefix(step)
+            child = self.store.child(prefix)
+            # .metadata first: the step stops being a checkpoint before its shards go.
+            child.delete([".metadata"])
+            child.delete([o.key for o in child.list()])
+
+    # -- reading ------------------------------------------------------------------------
+
+    def committed_steps(self) -> list[int]:
+        return committed_steps(self.store)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step under the root, or ``None``; agreed on by all ranks."""
+        steps = committed_steps(self.store) if self._coll.is_coordinator else None
+        steps = self._coll.broadcast(steps)
+        return steps[-1] if steps else None
+
+    def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
+        """Load ``step`` (default: the latest committed) into ``state_dict`` in place.
+
+        Also primes the plan cache from the checkpoint, so the next ``save``
+        of the same structure runs no planning collective.  Returns the step.
+        """
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointNotFoundError(f"{self.root}: no committed checkpoint to load")
+        url = self.step_url(step)
+        reader = ObjectStoreReader(url, storage_options=self.storage_options, transfer=self.transfer)
+        metadata = reader.read_metadata()
+        flat_sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+        check_state_dict(flat_sd, metadata, url)
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            process_group=self._coll.group,
+            no_dist=not self._coll.enabled,
+        )
+        self.plan_cache.fill_from_metadata(
+            metadata,
+            rank=self.rank,
+            world_size=self.world_size,
+            planner=self.planner_factory(),
+            writer=self._writer,
+        )
+        return step
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for pending saves (raising their errors), then release threads and buffers."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._executor.shutdown(wait=True)
+            self._writer.close()
+            for pool in self._pools:
+                pool.clear()
+
+    def __enter__(self) -> "AsyncCheckpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
