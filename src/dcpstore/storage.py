@@ -492,11 +492,16 @@ class S3ObjectStore(ObjectStore):
         await asyncio.gather(*(fetch(lo) for lo in range(start, end, part)))
         return bytes(out)
 
-    async def _get_one(self, key: str, start: int, end: int) -> bytes:
+    def get(self, key: str) -> bytes:
+        # One GET, no HEAD first: a HEAD's 404 cannot tell a missing bucket from a missing key.
+        return self._run(self._get_one(key, None, None))
+
+    async def _get_one(self, key: str, start: int | None, end: int | None) -> bytes:
         bucket, path = self._split(key)
+        ranged = {} if start is None else {"Range": f"bytes={start}-{end - 1}"}
         policy = self.transfer.retry
         for attempt in range(policy.max_attempts):
-            resp = await self._call("GET", key, "get_object", Bucket=bucket, Key=path, Range=f"bytes={start}-{end - 1}")
+            resp = await self._call("GET", key, "get_object", Bucket=bucket, Key=path, **ranged)
             try:
                 async with resp["Body"] as body:
                     return await body.read()

@@ -1,0 +1,72 @@
+"""Run a function on N real gloo ranks, each a spawned process."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+
+
+def _entry(fn, rank, world_size, init_file, results, args):
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported to the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 180, expect_killed: tuple[int, ...] = ()):
+    """``fn(rank, world_size, *args)`` on every rank; returns ``{rank: result}``.
+
+    A rank whose ``fn`` raises fails the call with its traceback; ranks in
+    ``expect_killed`` may die without a result (their entry is ``None``).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="gloo-")
+    os.close(fd)
+    os.unlink(init_file)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, results, args)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    errors = {}
+    try:
+        want = world_size - len(expect_killed)
+        import time
+
+        deadline = time.monotonic() + timeout
+        while len(out) + len(errors) < want:
+            try:
+                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks did not finish in {timeout}s; got {sorted(out)}")
+                continue
+            (out if status == "ok" else errors)[rank] = value
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    if errors:
+        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(errors.items())))
+    for r in expect_killed:
+        out.setdefault(r, None)
+    return out

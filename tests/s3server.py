@@ -1,0 +1,175 @@
+"""Local S3 servers for tests and the demo: moto in server mode, on loopback.
+
+Every test talks HTTP to a real moto server process; nothing of dcpstore is
+mocked.  ``FaultProxy`` sits between a client and moto when a test needs the
+network to misbehave: it answers chosen requests with S3 errors (503
+SlowDown, 500, 403), delays them, or cuts the connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import http.client
+import http.server
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MotoServer:
+    """``python -m moto.server`` as a subprocess on a free loopback port."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+        )
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=1).read()
+                return
+            except OSError:
+                if self._proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("moto server did not start")
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self._proc.terminate()
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+
+
+@dataclasses.dataclass
+class Rule:
+    method: str
+    pattern: re.Pattern
+    status: int | None = None  # answer with this S3 error status
+    code: str = "SlowDown"
+    delay: float = 0.0  # seconds before forwarding
+    reset: bool = False  # close the connection without answering
+    times: int | None = None  # apply this many times, then stop (None: always)
+    hits: int = 0
+
+    def matches(self, method: str, path: str) -> bool:
+        return (
+            (self.times is None or self.hits < self.times)
+            and self.method in (method, "*")
+            and self.pattern.search(path) is not None
+        )
+
+
+class FaultProxy:
+    """An HTTP proxy to an S3 endpoint that injects faults by rule."""
+
+    def __init__(self, upstream: str):
+        self.upstream = upstream.split("://", 1)[1]
+        self.rules: list[Rule] = []
+        self.requests: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    out = bytearray()
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0], 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            return bytes(out)
+                        out += self.rfile.read(size)
+                        self.rfile.readline()
+                return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+            def _handle(self):
+                body = self._body()
+                rule = proxy._match(self.command, self.path)
+                if rule is not None and rule.reset:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                    return
+                if rule is not None and rule.delay:
+                    time.sleep(rule.delay)
+                if rule is not None and rule.status:
+                    payload = (
+                        f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{rule.code}</Code>"
+                        f"<Message>injected by FaultProxy</Message></Error>"
+                    ).encode()
+                    self.send_response(rule.status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(payload)))
+                    self.end_headers()
+                    self.wfile.write(payload)
+                    return
+                conn = http.client.HTTPConnection(proxy.upstream, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+                headers["Content-Length"] = str(len(body))
+                conn.request(self.command, self.path, body=body, headers=headers)
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection"):
+                        self.send_header(k, v)
+                # A HEAD answer has no body but keeps the object's length.
+                length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
+                self.send_header("Content-Length", length)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def add(self, method: str, pattern: str, **kwargs) -> Rule:
+        rule = Rule(method=method, pattern=re.compile(pattern), **kwargs)
+        with self._lock:
+            self.rules.append(rule)
+        return rule
+
+    def clear(self) -> None:
+        with self._lock:
+            self.rules.clear()
+            self.requests.clear()
+
+    def _match(self, method: str, path: str) -> Rule | None:
+        with self._lock:
+            self.requests.append((method, path))
+            for rule in self.rules:
+                if rule.matches(method, path):
+                    rule.hits += 1
+                    return rule
+        return None
+
+    def stop(self) -> None:
+        self._server.shutdown()
