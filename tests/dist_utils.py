@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -22,7 +23,9 @@ def _entry(fn, rank, world_size, init_file, results, args):
             timeout=datetime.timedelta(seconds=60),
         )
         out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        # Plain pickle: tensors travel by value, not as shared-memory handles
+        # that die with this process.
+        results.put((rank, "ok", pickle.dumps(out)))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -56,7 +59,10 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180, expect_killed: t
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks did not finish in {timeout}s; got {sorted(out)}")
                 continue
-            (out if status == "ok" else errors)[rank] = value
+            if status == "ok":
+                out[rank] = pickle.loads(value)
+            else:
+                errors[rank] = value
         for p in procs:
             p.join(timeout=30)
     finally:

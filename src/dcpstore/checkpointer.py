@@ -45,7 +45,7 @@ from .plan_cache import CachedPlan, PlanCache
 from .reader import ObjectStoreReader, check_state_dict
 from .staging import StagedItems, StagingPool
 from .storage import TransferConfig, open_store
-from .writer import ObjectStoreWriter
+from .writer import METADATA_KEY, ObjectStoreWriter
 
 logger = logging.getLogger(__name__)
 
@@ -290,6 +290,16 @@ class AsyncCheckpointer:
     # -- the background pipeline -------------------------------------------------------
 
     def _run(self, job: _SaveJob) -> SaveStats:
+        try:
+            return self._run_phases(job)
+        except CheckpointSaveError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            # A collective failed (a peer died or timed out) or staging broke.
+            # Nothing was committed; say so in the one error type callers handle.
+            raise CheckpointSaveError(job.url, {self.rank: _describe(e)}) from e
+
+    def _run_phases(self, job: _SaveJob) -> SaveStats:
         job.staged.wait_ready()
         writer = self._writer
         writer.reset(job.url)
@@ -298,8 +308,8 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         error = None
         try:
-            if writer.check_destination():
-                raise CheckpointExistsError(f"{job.url}: step {job.step} is already committed")
+            if self.store.exists(f"{step_prefix(job.step)}/{METADATA_KEY}"):
+                raise CheckpointExistsError(f"{job.url}: step {job.step} is already committed; steps are never overwritten")
         except Exception as e:  # noqa: BLE001 - must still join the collective below
             error = e
         cached = self.plan_cache.lookup(job.local_plan, self.world_size) if error is None else None
@@ -387,7 +397,7 @@ class AsyncCheckpointer:
             prefix = step_prefix(step)
             child = self.store.child(prefix)
             # .metadata first: the step stops being a checkpoint before its shards go.
-            child.delete([".metadata"])
+            child.delete([METADATA_KEY])
             child.delete([o.key for o in child.list()])
 
     # -- reading ------------------------------------------------------------------------

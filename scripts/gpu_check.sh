@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Run the CUDA paths (pinned staging on a side stream) on a GPU machine.
+# Needs the test environment of the README; takes about a minute.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+"$PY" - <<'PY'
+import torch
+assert torch.cuda.is_available(), "no CUDA device visible"
+print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
+PY
+"$PY" -m pytest -q -rs tests/test_checkpointer.py -k cuda

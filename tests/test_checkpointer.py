@@ -1,0 +1,178 @@
+"""AsyncCheckpointer on real gloo groups against the moto server."""
+
+import pytest
+import torch
+
+import dcpstore
+from conftest import object_exists
+from dist_utils import run_ranks
+from workers import (
+    checkpointer_killed_mid_upload,
+    checkpointer_resume,
+    checkpointer_returns_before_upload,
+    checkpointer_save_steps,
+    checkpointer_three_saves,
+    checkpointer_upload_error,
+)
+
+
+def assert_same(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k
+
+
+def test_save_returns_before_upload_finishes(bucket, proxy):
+    proxy.add("PUT", r"\.distcp", delay=1.5)
+    results = run_ranks(checkpointer_returns_before_upload, 2, f"s3://{bucket}/run", proxy.endpoint)
+    for done_after_save, committed_early, visible_early, visible_late in results.values():
+        assert not done_after_save
+        assert committed_early == []
+        assert not visible_early
+        assert visible_late
+
+
+@pytest.mark.parametrize(
+    "world_size,planning,plan_collective",
+    [(2, "central", "scatter_object_list"), (4, "central", "scatter_object_list"), (2, "decentralized", "all_gather_object")],
+)
+def test_plans_are_exchanged_once_then_reused(world_size, planning, plan_collective, bucket, s3):
+    results = run_ranks(checkpointer_three_saves, world_size, f"s3://{bucket}/run", planning)
+    for rank, (saves, _) in results.items():
+        counts = [c.get(plan_collective, 0) for c, _ in saves]
+        assert counts == [1, 0, 0], (rank, saves)
+        assert [reused for _, reused in saves] == [False, True, True]
+        # One flag all-reduce per save decides reuse.
+        assert [c.get("all_reduce", 0) for c, _ in saves] == [1, 1, 1]
+        if planning == "central":  # the other gather is the write results'
+            assert [c.get("gather_object", 0) for c, _ in saves] == [2, 1, 1]
+    for step in (10, 20, 30):
+        assert object_exists(s3, bucket, f"run/step_{step:08d}/.metadata")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_resume_reuses_persisted_plans_and_falls_back_on_change(world_size, bucket):
+    root = f"s3://{bucket}/run"
+    (_, final), *_ = run_ranks(checkpointer_three_saves, world_size, root, "central").values()
+
+    results = run_ranks(checkpointer_resume, world_size, root, False)
+    for step, loaded, counts, reused, expected, reloaded in results.values():
+        assert step == 30
+        assert_same(loaded, final)  # resumed bit-exact from the latest step
+        assert counts.get("scatter_object_list", 0) == 0 and counts.get("gather_object", 0) == 1
+        assert reused
+        assert_same(reloaded, expected)  # what the first save after resume wrote loads bit-exact
+
+    results = run_ranks(checkpointer_resume, world_size, root, True)
+    for step, _, counts, reused, expected, reloaded in results.values():
+        assert step == 31
+        assert counts.get("scatter_object_list", 0) == 1  # structure changed: planned again
+        assert not reused
+        assert_same(reloaded, expected)
+
+
+def test_rank_killed_mid_upload_leaves_previous_step_latest(bucket, s3, proxy):
+    proxy.add("PUT", r"step_00000002/.*\.distcp", delay=3)
+    proxy.add("POST", r"step_00000002/.*\.distcp", delay=3)
+    root = f"s3://{bucket}/run"
+    results = run_ranks(checkpointer_killed_mid_upload, 2, root, proxy.endpoint, expect_killed=(1,))
+    assert results[1] is None
+    assert results[0] is not None and "step_00000002 was not committed" in results[0]
+    assert not object_exists(s3, bucket, "run/step_00000002/.metadata")
+    ckpt = dcpstore.AsyncCheckpointer(root)
+    assert ckpt.latest_step() == 1
+    # A restarted job resumes from step 1, bit-exact.
+    results = run_ranks(checkpointer_resume, 2, root, False)
+    for step, loaded, *_ in results.values():
+        assert step == 1
+        from workers import full_tensors
+
+        assert torch.equal(loaded["replicated"], full_tensors(0)["replicated"])
+        assert torch.equal(loaded["sharded"], full_tensors(0)["sharded"])
+
+
+def test_upload_error_on_one_rank_raises_everywhere_and_next_save_works(bucket, s3, proxy):
+    proxy.add("PUT", r"step_00000002/__1_", status=403, code="AccessDenied")
+    proxy.add("POST", r"step_00000002/__1_", status=403, code="AccessDenied")
+    results = run_ranks(checkpointer_upload_error, 2, f"s3://{bucket}/run", proxy.endpoint)
+    for error, latest in results.values():
+        assert error is not None
+        message, failures = error
+        assert "step_00000002 was not committed" in message
+        assert list(failures) == [1] and "access denied" in failures[1]
+        assert latest == 3
+    assert not object_exists(s3, bucket, "run/step_00000002/.metadata")
+    assert object_exists(s3, bucket, "run/step_00000003/.metadata")
+
+
+def test_keep_last_prunes_only_committed_older_steps(bucket, s3):
+    root = f"s3://{bucket}/run"
+    s3.put_object(Bucket=bucket, Key="run/step_00000000/__0_0.distcp", Body=b"orphan")  # incomplete step
+    ckpt = dcpstore.AsyncCheckpointer(root, keep_last=2)
+    sd = {"w": torch.arange(4.0), "step": 0}
+    for step in (1, 2, 3):
+        sd["step"] = step
+        ckpt.save(sd, step=step)
+    ckpt.wait()
+    assert ckpt.committed_steps() == [2, 3]
+    assert object_exists(s3, bucket, "run/step_00000000/__0_0.distcp")  # not ours to prune
+    out = {"w": torch.zeros(4), "step": 0}
+    assert ckpt.load(out) == 3 and out["step"] == 3
+    ckpt.close()
+
+
+def test_single_process_cpu_path_and_staging_isolation(bucket):
+    """CPU tensors are copied at save(): later in-place updates do not leak into the checkpoint."""
+    ckpt = dcpstore.AsyncCheckpointer(f"s3://{bucket}/run")
+    w = torch.arange(1000.0)
+    handle = ckpt.save({"w": w}, step=1)
+    w.add_(1)  # the trainer moves on immediately
+    stats = handle.result()
+    assert stats.staged_bytes >= w.numel() * 4 and stats.blocking_s > 0
+    out = {"w": torch.zeros(1000)}
+    ckpt.load(out, step=1)
+    assert torch.equal(out["w"], torch.arange(1000.0))
+    with pytest.raises(dcpstore.StateDictMismatchError, match="keys missing from the checkpoint: extra"):
+        ckpt.load({"w": torch.zeros(1000), "extra": torch.zeros(1)}, step=1)
+    with pytest.raises(dcpstore.CheckpointNotFoundError):
+        ckpt.load(out, step=99)
+    ckpt.close()
+
+
+def test_saving_a_committed_step_again_fails_on_every_rank(bucket):
+    root = f"s3://{bucket}/run"
+    run_ranks(checkpointer_save_steps, 2, root, (1,), 0)
+    with pytest.raises(AssertionError, match="step 1 is already committed"):
+        run_ranks(checkpointer_save_steps, 2, root, (1,), 1)
+
+
+def test_latest_step_ignores_incomplete_steps(bucket, s3):
+    root = f"s3://{bucket}/run"
+    ckpt = dcpstore.AsyncCheckpointer(root)
+    ckpt.save({"w": torch.ones(2)}, step=7)
+    ckpt.wait()
+    s3.put_object(Bucket=bucket, Key="run/step_00000009/__0_0.distcp", Body=b"partial")
+    assert ckpt.latest_step() == 7
+    ckpt.close()
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_cuda_staging_is_pinned_async_and_ordered(bucket):
+    ckpt = dcpstore.AsyncCheckpointer(f"s3://{bucket}/run")
+    w = torch.randn(1024, 1024, device="cuda")
+    expected = w.cpu()
+    handle = ckpt.save({"w": w}, step=1)
+    w.mul_(0)  # queued after the staging copy on the training stream
+    handle.result()
+    pool = ckpt._pools[0]
+    assert all(b.is_pinned() for b in pool._buffers.values())
+    out = {"w": torch.zeros(1024, 1024, device="cuda")}
+    ckpt.load(out, step=1)
+    assert torch.equal(out["w"].cpu(), expected)
+    ckpt.close()

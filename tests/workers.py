@@ -1,0 +1,214 @@
+"""Functions that run on each spawned gloo rank (see dist_utils.run_ranks)."""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import dcpstore
+from dcpstore.planner_data import strip_plan
+
+ROWS = 24  # divisible by world sizes 1, 2, 3, 4
+
+
+def full_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "sharded": torch.randn(ROWS, 16, generator=g),
+        "sharded_int": torch.randint(0, 1000, (ROWS, 3), generator=g),
+        "replicated": torch.randn(5, 5, generator=g),
+    }
+
+
+def sharded_state_dict(world_size: int, seed: int, zeros: bool = False) -> dict:
+    """A state dict with DTensor shards, plain tensors and bytes items."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    full = full_tensors(seed)
+    if zeros:
+        full = {k: torch.zeros_like(v) for k, v in full.items()}
+    return {
+        "model": {
+            "sharded": distribute_tensor(full["sharded"], mesh, [Shard(0)]),
+            "sharded_int": distribute_tensor(full["sharded_int"], mesh, [Shard(0)]),
+            "replicated": full["replicated"],
+        },
+        "optim": {"step": 0 if zeros else 1000 + seed},
+        "note": b"" if zeros else b"dcpstore",
+    }
+
+
+def gathered(sd: dict) -> dict:
+    """Full tensors and values of a sharded state dict (same on every rank)."""
+    m = sd["model"]
+    return {
+        "sharded": m["sharded"].full_tensor(),
+        "sharded_int": m["sharded_int"].full_tensor(),
+        "replicated": m["replicated"].clone(),
+        "step": sd["optim"]["step"],
+        "note": sd["note"],
+    }
+
+
+def local_plan_of(sd: dict, rank: int):
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(sd, is_coordinator=rank == 0)
+    return strip_plan(planner.create_local_plan())
+
+
+# -- ObjectStoreWriter under dcp.save ----------------------------------------------------
+
+
+def save_sharded(rank, world_size, url, seed):
+    sd = sharded_state_dict(world_size, seed)
+    dcp.save(sd, storage_writer=dcpstore.ObjectStoreWriter(url, objects_per_rank=2))
+    return local_plan_of(sd, rank)
+
+
+def load_sharded(rank, world_size, url, reader):
+    sd = sharded_state_dict(world_size, 0, zeros=True)
+    storage_reader = FsspecReader(url) if reader == "fsspec" else dcpstore.ObjectStoreReader(url)
+    dcp.load(sd, storage_reader=storage_reader)
+    return gathered(sd)
+
+
+def save_with_failing_rank(rank, world_size, url, proxy_endpoint):
+    """Rank 1 talks through a proxy that refuses its shard uploads."""
+    options = {"endpoint_url": proxy_endpoint} if rank == 1 else None
+    sd = sharded_state_dict(world_size, 0)
+    try:
+        dcp.save(sd, storage_writer=dcpstore.ObjectStoreWriter(url, storage_options=options))
+    except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+        return str(e)
+    return None
+
+
+# -- AsyncCheckpointer ----------------------------------------------------------------------
+
+
+def count_collectives() -> collections.Counter:
+    """Count the object collectives (and all_reduce) every later call makes."""
+    counts: collections.Counter = collections.Counter()
+    for name in ("gather_object", "scatter_object_list", "all_gather_object", "all_reduce", "broadcast_object_list"):
+        original = getattr(dist, name)
+
+        def wrapper(*args, _original=original, _name=name, **kwargs):
+            counts[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, wrapper)
+    return counts
+
+
+def _save_counted(ckpt, counts, sd, step):
+    counts.clear()
+    ckpt.save(sd, step=step)
+    ckpt.wait()
+    return dict(counts), ckpt.last_stats.plan_reused
+
+
+def checkpointer_three_saves(rank, world_size, root, planning):
+    counts = count_collectives()
+    ckpt = dcpstore.AsyncCheckpointer(root, planning=planning)
+    sd = sharded_state_dict(world_size, 0)
+    out = []
+    for i, step in enumerate((10, 20, 30)):
+        sd["optim"]["step"] = 10 ** (3 * i)  # pickled size changes from save to save
+        sd["model"]["replicated"].add_(1)
+        out.append(_save_counted(ckpt, counts, sd, step))
+    ckpt.close()
+    return out, gathered(sd)
+
+
+def checkpointer_resume(rank, world_size, root, change_structure):
+    """A fresh job: load the latest step, then save once more, counting collectives."""
+    counts = count_collectives()
+    ckpt = dcpstore.AsyncCheckpointer(root)
+    sd = sharded_state_dict(world_size, 0, zeros=True)
+    step = ckpt.load(sd)
+    loaded = gathered(sd)
+    if change_structure:
+        sd["model"]["new_param"] = torch.ones(3)
+    sd["model"]["replicated"].mul_(2)
+    saved_counts, reused = _save_counted(ckpt, counts, sd, step + 1)
+    expected = gathered(sd)
+    check = sharded_state_dict(world_size, 0, zeros=True)
+    if change_structure:
+        check["model"]["new_param"] = torch.zeros(3)
+    ckpt.load(check, step=step + 1)
+    ckpt.close()
+    return step, loaded, saved_counts, reused, expected, gathered(check)
+
+
+def checkpointer_save_steps(rank, world_size, root, steps, seed):
+    ckpt = dcpstore.AsyncCheckpointer(root)
+    sd = sharded_state_dict(world_size, seed)
+    for step in steps:
+        ckpt.save(sd, step=step)
+    ckpt.wait()
+    ckpt.close()
+    return gathered(sd)
+
+
+def checkpointer_killed_mid_upload(rank, world_size, root, proxy_endpoint):
+    """Step 1 commits; during step 2's (slowed) upload, rank 1 is SIGKILLed."""
+    ckpt = dcpstore.AsyncCheckpointer(
+        root,
+        storage_options={"endpoint_url": proxy_endpoint},
+        collective_timeout=datetime.timedelta(seconds=30),
+    )
+    sd = sharded_state_dict(world_size, 0)
+    ckpt.save(sd, step=1)
+    ckpt.wait()
+    sd["model"]["replicated"].add_(5)
+    ckpt.save(sd, step=2)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        ckpt.wait(timeout=60)
+    except dcpstore.CheckpointSaveError as e:
+        return str(e)
+    return None
+
+
+def checkpointer_upload_error(rank, world_size, root, proxy_endpoint):
+    """Rank 1's uploads of step 2 are refused; step 3 must work again."""
+    options = {"endpoint_url": proxy_endpoint} if rank == 1 else None
+    ckpt = dcpstore.AsyncCheckpointer(root, storage_options=options)
+    sd = sharded_state_dict(world_size, 0)
+    ckpt.save(sd, step=1)
+    ckpt.wait()
+    ckpt.save(sd, step=2)
+    error = None
+    try:
+        ckpt.wait()
+    except dcpstore.CheckpointSaveError as e:
+        error = (str(e), e.failures)
+    ckpt.save(sd, step=3)
+    ckpt.wait()
+    latest = ckpt.latest_step()
+    ckpt.close()
+    return error, latest
+
+
+def checkpointer_returns_before_upload(rank, world_size, root, proxy_endpoint):
+    """Uploads are slowed by the proxy; save() must return while they run."""
+    ckpt = dcpstore.AsyncCheckpointer(root, storage_options={"endpoint_url": proxy_endpoint})
+    sd = sharded_state_dict(world_size, 0)
+    handle = ckpt.save(sd, step=5)
+    done_after_save = handle.done()
+    committed_early = ckpt.maybe_finalize()
+    visible_early = ckpt.store.exists("step_00000005/.metadata")
+    ckpt.wait()
+    visible_late = ckpt.store.exists("step_00000005/.metadata")
+    ckpt.close()
+    return done_after_save, committed_early, visible_early, visible_late
