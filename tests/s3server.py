@@ -1,62 +1,22 @@
-"""Local S3 servers for tests and the demo: moto in server mode, on loopback.
+"""Fault injection for tests: a proxy in front of the moto server.
 
-Every test talks HTTP to a real moto server process; nothing of dcpstore is
-mocked.  ``FaultProxy`` sits between a client and moto when a test needs the
+Every test talks HTTP to a real moto server process (``dcpstore.local_s3``);
+nothing of dcpstore is mocked.  ``FaultProxy`` sits between a client and moto when a test needs the
 network to misbehave: it answers chosen requests with S3 errors (503
 SlowDown, 500, 403), delays them, or cuts the connection.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import http.client
 import http.server
-import os
 import re
 import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 
-
-def free_port() -> int:
-    with contextlib.closing(socket.socket()) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class MotoServer:
-    """``python -m moto.server`` as a subprocess on a free loopback port."""
-
-    def __init__(self, env: dict[str, str] | None = None):
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
-        )
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=1).read()
-                return
-            except OSError:
-                if self._proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError("moto server did not start")
-                time.sleep(0.1)
-
-    def stop(self) -> None:
-        self._proc.terminate()
-        try:
-            self._proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
+from dcpstore.local_s3 import MotoServer, free_port  # noqa: F401 - re-exported for tests
 
 
 @dataclasses.dataclass

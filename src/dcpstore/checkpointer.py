@@ -29,6 +29,7 @@ import datetime
 import logging
 import threading
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -426,12 +427,10 @@ class AsyncCheckpointer:
         metadata = reader.read_metadata()
         flat_sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
         check_state_dict(flat_sd, metadata, url)
-        dcp.load(
-            state_dict,
-            storage_reader=reader,
-            process_group=self._coll.group,
-            no_dist=not self._coll.enabled,
-        )
+        with warnings.catch_warnings():
+            # dcp.load warns whenever no_dist is set; a single process is intended here.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state_dict, storage_reader=reader, process_group=self._coll.group, no_dist=not self._coll.enabled)
         self.plan_cache.fill_from_metadata(
             metadata,
             rank=self.rank,

@@ -252,7 +252,7 @@ class ObjectStore:
         aborted = 0
         for upload in self.list_multipart_uploads(prefix):
             if older_than is None or (upload.initiated or 0) < older_than:
-                self._abort_upload(upload.key, upload.upload_id)
+                self.abort_upload(upload.key, upload.upload_id)
                 aborted += 1
         return aborted
 
@@ -278,7 +278,8 @@ class ObjectStore:
         except FileNotFoundError:
             raise ObjectNotFoundError(f"{self.url_for(key)}: object does not exist") from None
 
-    def _abort_upload(self, key: str, upload_id: str) -> None:
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort one multipart upload; only object stores have them."""
         raise NotImplementedError
 
     def _relative(self, path: str) -> str:
@@ -585,7 +586,7 @@ class S3ObjectStore(ObjectStore):
             kwargs["KeyMarker"] = resp.get("NextKeyMarker")
             kwargs["UploadIdMarker"] = resp.get("NextUploadIdMarker")
 
-    def _abort_upload(self, key: str, upload_id: str) -> None:
+    def abort_upload(self, key: str, upload_id: str) -> None:
         self._run(self._abort(key, upload_id))
 
     async def _abort(self, key: str, upload_id: str) -> None:
@@ -741,7 +742,7 @@ class _MultipartObjectWriter(ObjectWriter):
                 pass
         if self._upload_id is not None:
             try:
-                self._store._abort_upload(self._key, self._upload_id)
+                self._store.abort_upload(self._key, self._upload_id)
             except Exception as e:  # noqa: BLE001
                 logger.warning("could not abort multipart upload of %s: %s", self._store.url_for(self._key), e)
 

@@ -1,0 +1,255 @@
+"""``dcpstore``: see and repair what is in the bucket without writing Python.
+
+    dcpstore ls s3://bucket/run-7            steps, committed or not
+    dcpstore inspect s3://bucket/run-7/step_00001000 [--json]
+    dcpstore verify URI [--deep]             exit 1 on any problem, naming the object
+    dcpstore gc s3://bucket/run-7 [--keep-last N] [--grace SECONDS] [--dry-run]
+    dcpstore demo                            train, save, kill, resume on an embedded S3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import json
+import sys
+import time
+import zlib
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from tqdm import tqdm
+
+from . import planner_data
+from .errors import DcpstoreError
+from .layout import list_steps, step_prefix
+from .reader import read_metadata
+from .storage import ObjectStore, open_store
+from .writer import METADATA_KEY
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _when(ts: float | None) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def _world_size(store: ObjectStore) -> int | None:
+    try:
+        plans = planner_data.read_plans(read_metadata(store))
+    except DcpstoreError:
+        return None
+    return len(plans) if plans is not None else None
+
+
+# -- commands -------------------------------------------------------------------------------
+
+
+def cmd_ls(args) -> int:
+    store = open_store(args.root)
+    uploads = store.list_multipart_uploads()
+    open_by_step: dict[str, int] = {}
+    for up in uploads:
+        head = up.key.split("/", 1)[0]
+        open_by_step[head] = open_by_step.get(head, 0) + 1
+    steps = list_steps(store)
+    if not steps and not uploads:
+        print(f"no steps under {args.root}")
+        return 0
+    print(f"{'STEP':>10}  {'STATUS':<11} {'SIZE':>10} {'OBJECTS':>7} {'WORLD':>5}  {'WRITTEN (UTC)':<19}  OPEN UPLOADS")
+    for s in steps:
+        status = "committed" if s.committed and s.prefix not in open_by_step else "incomplete"
+        world = _world_size(store.child(s.prefix)) if s.committed else None
+        print(
+            f"{s.step:>10}  {status:<11} {_size(s.size):>10} {s.objects:>7} {world or '-':>5}  "
+            f"{_when(s.last_modified):<19}  {open_by_step.get(s.prefix, 0)}"
+        )
+    return 0
+
+
+def summarize(store: ObjectStore) -> dict:
+    metadata = read_metadata(store)
+    tensors, byte_items = [], []
+    for fqn, md in sorted(metadata.state_dict_metadata.items()):
+        if isinstance(md, TensorStorageMetadata):
+            tensors.append({"fqn": fqn, "shape": list(md.size), "dtype": str(md.properties.dtype).replace("torch.", ""), "chunks": len(md.chunks)})
+        elif isinstance(md, BytesStorageMetadata):
+            byte_items.append(fqn)
+    storage = metadata.storage_data or {}
+    plans = planner_data.read_plans(metadata)
+    return {
+        "url": store.url,
+        "version": metadata.version,
+        "tensors": tensors,
+        "bytes_items": byte_items,
+        "total_bytes": sum(info.length for info in storage.values()),
+        "objects": len({info.relative_path for info in storage.values()}),
+        "plans_persisted": plans is not None,
+        "plan_ranks": len(plans) if plans is not None else 0,
+        "checksums": bool(planner_data.read_checksums(metadata)),
+    }
+
+
+def cmd_inspect(args) -> int:
+    summary = summarize(open_store(args.uri))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"checkpoint {summary['url']} (DCP format {summary['version']})")
+    print(f"  {len(summary['tensors'])} tensors, {len(summary['bytes_items'])} bytes items, "
+          f"{_size(summary['total_bytes'])} in {summary['objects']} objects")
+    plans = f"yes, for {summary['plan_ranks']} ranks" if summary["plans_persisted"] else "no"
+    print(f"  save plans persisted: {plans}; per-item checksums: {'yes' if summary['checksums'] else 'no'}")
+    for t in summary["tensors"]:
+        print(f"  {t['fqn']:<48} {t['dtype']:<10} {tuple(t['shape'])}  ({t['chunks']} chunk(s))")
+    for fqn in summary["bytes_items"]:
+        print(f"  {fqn:<48} bytes")
+    return 0
+
+
+def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
+    """Problems found in the checkpoint at ``store``'s root; empty when it is sound."""
+    metadata = read_metadata(store)
+    storage = metadata.storage_data or {}
+    sizes = {o.key: o.size for o in store.list()}
+    checksums = planner_data.read_checksums(metadata)
+    problems = []
+    for index, info in storage.items():
+        if info.relative_path not in sizes:
+            problems.append(f"{store.url_for(info.relative_path)}: missing (needed by {index.fqn!r})")
+        elif info.offset + info.length > sizes[info.relative_path]:
+            problems.append(
+                f"{store.url_for(info.relative_path)}: truncated: {index.fqn!r} needs bytes up to "
+                f"{info.offset + info.length}, object has {sizes[info.relative_path]}"
+            )
+    if not deep or problems:
+        return problems
+    for index, info in tqdm(list(storage.items()), desc="verify", unit="item", disable=not progress):
+        where = f"{store.url_for(info.relative_path)} ({index.fqn!r})"
+        raw = store.get_range(info.relative_path, info.offset, info.offset + info.length)
+        if index in checksums and zlib.crc32(raw) != checksums[index]:
+            problems.append(f"{where}: checksum mismatch")
+            continue
+        md = metadata.state_dict_metadata.get(index.fqn)
+        if isinstance(md, TensorStorageMetadata):
+            try:
+                tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"{where}: does not deserialize ({e})")
+                continue
+            chunk = next((c for c in md.chunks if tuple(c.offsets) == tuple(index.offset or ())), None)
+            want_shape = tuple(chunk.sizes) if chunk is not None else None
+            if tensor.dtype != md.properties.dtype or (want_shape is not None and tuple(tensor.shape) != want_shape):
+                problems.append(f"{where}: holds {tensor.dtype} {tuple(tensor.shape)}, metadata says {md.properties.dtype} {want_shape}")
+    return problems
+
+
+def cmd_verify(args) -> int:
+    store = open_store(args.uri)
+    problems = verify(store, args.deep)
+    for p in problems:
+        print(f"PROBLEM {p}")
+    if problems:
+        print(f"{store.url}: {len(problems)} problem(s)")
+        return 1
+    print(f"{store.url}: OK ({'deep' if args.deep else 'metadata and object sizes'})")
+    return 0
+
+
+def plan_gc(store: ObjectStore, keep_last: int | None, grace: float, now: float | None = None):
+    """What ``gc`` would delete: ``(incomplete_steps, stale_uploads, pruned_steps)``."""
+    now = time.time() if now is None else now
+    steps = list_steps(store)
+    committed = [s for s in steps if s.committed]
+    newest = committed[-1].step if committed else None
+    incomplete = [s for s in steps if not s.committed and (s.last_modified or 0) < now - grace]
+    uploads = [u for u in store.list_multipart_uploads() if (u.initiated or 0) < now - grace]
+    pruned = []
+    if keep_last is not None and len(committed) > keep_last:
+        pruned = [s for s in committed[:-keep_last] if s.step != newest]
+    return incomplete, uploads, pruned
+
+
+def cmd_gc(args) -> int:
+    store = open_store(args.root)
+    incomplete, uploads, pruned = plan_gc(store, args.keep_last, args.grace)
+    verb = "would delete" if args.dry_run else "deleting"
+    for s in incomplete:
+        print(f"{verb} incomplete step {s.step} ({s.objects} objects, {_size(s.size)})")
+    for u in uploads:
+        print(f"{'would abort' if args.dry_run else 'aborting'} multipart upload of {store.url_for(u.key)}")
+    for s in pruned:
+        print(f"{verb} committed step {s.step} (beyond --keep-last {args.keep_last})")
+    if args.dry_run:
+        return 0
+    for u in tqdm(uploads, desc="abort uploads", unit="upload", disable=len(uploads) < 20):
+        store.abort_upload(u.key, u.upload_id)
+    for s in tqdm(incomplete + pruned, desc="delete steps", unit="step", disable=len(incomplete + pruned) < 5):
+        child = store.child(s.prefix)
+        child.delete([METADATA_KEY] if s.committed else [])  # uncommit first
+        child.delete([o.key for o in child.list()])
+    print(f"done: {len(incomplete)} incomplete and {len(pruned)} committed steps deleted, {len(uploads)} uploads aborted")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(steps=args.steps, save_every=args.save_every, root=args.root)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dcpstore", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("ls", help="list the steps under a checkpoint root")
+    p.add_argument("root", help="checkpoint root, e.g. s3://bucket/run-7")
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("inspect", help="summarize one checkpoint's metadata")
+    p.add_argument("uri", help=f"checkpoint prefix, e.g. s3://bucket/run-7/{step_prefix(1000)}")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("verify", help="check that every object and byte range the metadata names exists")
+    p.add_argument("uri", help="checkpoint prefix")
+    p.add_argument("--deep", action="store_true", help="also read every item back and check checksum, shape and dtype")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("gc", help="delete incomplete steps and stale uploads; optionally prune old steps")
+    p.add_argument("root", help="checkpoint root")
+    p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep only the newest N committed steps")
+    p.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
+                   help="leave incomplete steps and uploads younger than this alone (a save may be running); default 3600")
+    p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+    p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("demo", help="train a small model with async checkpoints, kill it, resume it")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--save-every", type=int, default=50)
+    p.add_argument("--root", default=None, help="checkpoint root (default: a bucket on an embedded local S3)")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "keep_last", None) is not None and args.keep_last < 1:
+        print("dcpstore: error: --keep-last must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except (DcpstoreError, ValueError, OSError) as e:
+        print(f"dcpstore: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

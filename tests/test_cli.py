@@ -1,0 +1,118 @@
+"""The dcpstore CLI against a bucket with a committed step, an incomplete step and an orphaned upload."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dcpstore
+from dcpstore.cli import main
+from conftest import object_exists
+
+
+@pytest.fixture
+def run_root(bucket, s3):
+    root = f"s3://{bucket}/run-7"
+    ckpt = dcpstore.AsyncCheckpointer(root)
+    for step in (100, 200):
+        ckpt.save({"model": {"w": torch.randn(64, 8), "b": torch.zeros(8)}, "step": step}, step=step)
+    ckpt.wait()
+    ckpt.close()
+    s3.put_object(Bucket=bucket, Key="run-7/step_00000300/__0_0.distcp", Body=b"partial shard")  # incomplete
+    upload = s3.create_multipart_upload(Bucket=bucket, Key="run-7/step_00000300/__0_1.distcp")  # orphaned
+    return root, upload["UploadId"]
+
+
+def test_ls(run_root, capsys):
+    root, _ = run_root
+    assert main(["ls", root]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in out[1:]}
+    assert rows["100"][1] == "committed" and rows["200"][1] == "committed"
+    assert rows["300"][1] == "incomplete" and rows["300"][-1] == "1"  # one open upload
+    assert rows["200"][5] == "1"  # world size from the persisted plans
+
+
+def test_inspect_json_and_text(run_root, capsys):
+    root, _ = run_root
+    assert main(["inspect", f"{root}/step_00000200", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert {t["fqn"]: t["shape"] for t in summary["tensors"]} == {"train.model.b": [8], "train.model.w": [64, 8]} or \
+        {t["fqn"]: t["shape"] for t in summary["tensors"]} == {"model.b": [8], "model.w": [64, 8]}
+    assert summary["bytes_items"] == ["step"]
+    assert summary["plans_persisted"] and summary["plan_ranks"] == 1 and summary["checksums"]
+    assert main(["inspect", f"{root}/step_00000200"]) == 0
+    assert "save plans persisted: yes, for 1 ranks" in capsys.readouterr().out
+
+
+def test_inspect_incomplete_step_fails_clearly(run_root, capsys):
+    root, _ = run_root
+    assert main(["inspect", f"{root}/step_00000300"]) == 1
+    assert "incomplete or missing checkpoint" in capsys.readouterr().err
+
+
+def test_verify_ok_then_truncated_then_corrupted(run_root, s3, bucket, capsys):
+    root, _ = run_root
+    url = f"{root}/step_00000100"
+    assert main(["verify", url]) == 0 and main(["verify", url, "--deep"]) == 0
+    capsys.readouterr()
+    key = next(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="run-7/step_00000100/")["Contents"]
+               if o["Key"].endswith(".distcp") and o["Size"] > 1000)
+    body = s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    flipped = bytearray(body)
+    flipped[-200] ^= 0xFF
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(flipped))
+    assert main(["verify", url]) == 0  # sizes still fine
+    assert main(["verify", url, "--deep"]) == 1
+    assert f"{key.split('/')[-1]}" in capsys.readouterr().out
+    s3.put_object(Bucket=bucket, Key=key, Body=body[:100])
+    assert main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert "truncated" in out and key.split("/")[-1] in out
+
+
+def test_gc_dry_run_then_for_real(run_root, s3, bucket, capsys):
+    root, upload_id = run_root
+    assert main(["gc", root, "--keep-last", "1", "--grace", "0", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would delete incomplete step 300" in out and "would abort" in out and "would delete committed step 100" in out
+    assert object_exists(s3, bucket, "run-7/step_00000300/__0_0.distcp")  # dry run touched nothing
+    assert main(["gc", root, "--keep-last", "1", "--grace", "0"]) == 0
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]}
+    assert not any(k.startswith("run-7/step_00000300/") or k.startswith("run-7/step_00000100/") for k in keys)
+    assert "run-7/step_00000200/.metadata" in keys  # the newest committed step is never touched
+    assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+
+
+def test_gc_grace_protects_recent_incomplete_steps(run_root, s3, bucket):
+    root, _ = run_root
+    assert main(["gc", root]) == 0  # default grace: an hour
+    assert object_exists(s3, bucket, "run-7/step_00000300/__0_0.distcp")
+
+
+def test_bad_uri_and_missing_bucket(moto_endpoint, capsys):
+    assert main(["ls", "nosuch://x/y"]) == 1
+    assert "unknown URL scheme 'nosuch'" in capsys.readouterr().err
+    assert main(["inspect", "s3://no-such-bucket-cli/x"]) == 1
+    assert "bucket 'no-such-bucket-cli' does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["ls", "inspect", "verify", "gc", "demo"])
+def test_help_on_every_command(command):
+    out = subprocess.run([sys.executable, "-m", "dcpstore.cli", command, "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "usage: dcpstore" in out.stdout
+
+
+def test_demo_kills_and_resumes(moto_endpoint):
+    out = subprocess.run(
+        [sys.executable, "-m", "dcpstore.cli", "demo", "--steps", "60", "--save-every", "20"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "SIGKILLed right after its save of step 40" in out.stdout
+    assert "resumed from:               step 20 (latest committed)" in out.stdout or \
+        "resumed from:               step 40 (latest committed)" in out.stdout
+    assert "plans reused: True" in out.stdout
+    assert "committed steps now:        [" in out.stdout and "60]" in out.stdout
