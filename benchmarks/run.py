@@ -1,0 +1,507 @@
+"""dcpstore vs its peers, side by side, on one local S3 server, in one run.
+
+    python -m benchmarks.run                      # 1 GiB, 3 rounds, world size 1 and 2, size sweep
+    python -m benchmarks.run --size-mib 64 --rounds 1 --world-sizes 1 --sweep-mib   # quick
+
+One moto server subprocess on loopback is started once; every contender saves
+and loads the same state dict against it, interleaved A B C A B C ... for
+``--rounds`` rounds.  Medians are reported, with ratios measured in this run
+only (these machines are noisy: never compare absolute times across runs):
+each contender against a raw boto3 multipart PUT/GET of the same bytes, and
+dcpstore against the best peer.  Writes ``results.json`` and ``results.png``
+into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+import uuid
+import warnings
+
+import boto3
+import psutil
+import torch
+
+MiB = 1 << 20
+
+
+# -- measurement helpers ------------------------------------------------------------------
+
+
+class RequestCounter:
+    """Counts HTTP requests made by botocore and aiobotocore clients in this process."""
+
+    def __init__(self):
+        self.count = 0
+        self._lock = threading.Lock()
+        import aiobotocore.httpsession
+        import botocore.httpsession
+
+        for cls in (botocore.httpsession.URLLib3Session, aiobotocore.httpsession.AIOHTTPSession):
+            original = cls.send
+            if getattr(original, "_counted", False):
+                continue
+            counter = self
+            if cls is botocore.httpsession.URLLib3Session:
+
+                def send(self_, request, _original=original):
+                    with counter._lock:
+                        counter.count += 1
+                    return _original(self_, request)
+            else:
+
+                async def send(self_, request, _original=original):
+                    with counter._lock:
+                        counter.count += 1
+                    return await _original(self_, request)
+
+            send._counted = True
+            cls.send = send
+
+
+class PeakRSS:
+    """Peak resident memory of this process while the block runs, above its start."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.peak_extra = 0
+
+    def __enter__(self):
+        self._proc = psutil.Process()
+        self._base = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak_extra = max(self.peak_extra, self._proc.memory_info().rss - self._base)
+            time.sleep(self.interval)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def make_state_dict(total_bytes: int, n_tensors: int = 64, seed: int = 0) -> dict:
+    """``n_tensors`` float32 tensors from 1 KiB up to 128 MiB (geometric), about ``total_bytes`` in all."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = 1024, 128 * MiB
+    sizes = [lo * (hi / lo) ** (i / (n_tensors - 1)) for i in range(n_tensors)]
+    scale = total_bytes / sum(sizes)
+    sizes = [max(1024, min(hi, int(s * scale))) for s in sizes]
+    sd = {f"layer{i:02d}.weight": torch.rand(s // 4, generator=g) for i, s in enumerate(sizes)}
+    sd["optim"] = {"step": 12345, "lr": 3e-4, "schedule": list(range(16))}
+    sd["rng"] = torch.random.get_rng_state().numpy().tobytes()
+    return sd
+
+
+def nbytes(sd: dict) -> int:
+    return sum(v.numel() * v.element_size() for v in sd.values() if isinstance(v, torch.Tensor))
+
+
+def blank_like(sd: dict) -> dict:
+    return {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+
+
+# -- contenders ---------------------------------------------------------------------------
+# Each takes (state_dict, url, rank-local context) and returns
+# {"blocking_s", "commit_s", "load_s"}.
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def dcpstore_async(sd, url, pg):
+    import dcpstore
+
+    root, step = url.rsplit("/", 1)
+    ckpt = dcpstore.AsyncCheckpointer(root, process_group=pg)
+    t0 = time.perf_counter()
+    handle = ckpt.save(sd, step=1)
+    blocking = time.perf_counter() - t0
+    handle.result()
+    commit = time.perf_counter() - t0
+    out = blank_like(sd)
+    load, _ = _timed(lambda: ckpt.load(out, step=1))
+    ckpt.close()
+    return {"blocking_s": blocking, "commit_s": commit, "load_s": load}
+
+
+def _dcp_pair(writer_factory, reader_factory, use_async):
+    import torch.distributed.checkpoint as dcp
+
+    def run(sd, url, pg):
+        no_dist = pg is None
+        t0 = time.perf_counter()
+        if use_async:
+            fut = dcp.async_save(sd, storage_writer=writer_factory(url), process_group=pg, no_dist=no_dist)
+            blocking = time.perf_counter() - t0
+            (getattr(fut, "upload_completion", None) or fut).result()
+        else:
+            dcp.save(sd, storage_writer=writer_factory(url), process_group=pg, no_dist=no_dist)
+            blocking = time.perf_counter() - t0
+        commit = time.perf_counter() - t0
+        out = blank_like(sd)
+        load, _ = _timed(lambda: dcp.load(out, storage_reader=reader_factory(url), process_group=pg, no_dist=no_dist))
+        return {"blocking_s": blocking, "commit_s": commit, "load_s": load}
+
+    return run
+
+
+def _dcpstore_writer(url):
+    import dcpstore
+
+    return dcpstore.ObjectStoreWriter(url)
+
+
+def _dcpstore_reader(url):
+    import dcpstore
+
+    return dcpstore.ObjectStoreReader(url)
+
+
+def _fsspec_writer(url):
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(url, thread_count=4)
+
+
+def _fsspec_reader(url):
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(url)
+
+
+def _s3tc_config():
+    from s3torchconnector import S3ClientConfig
+
+    return S3ClientConfig(force_path_style=True)
+
+
+def _s3tc_writer(url):
+    from s3torchconnector.dcp import S3StorageWriter
+
+    return S3StorageWriter(region="us-east-1", path=url, s3client_config=_s3tc_config(), thread_count=4)
+
+
+def _s3tc_reader(url):
+    from s3torchconnector.dcp import S3StorageReader
+
+    return S3StorageReader(region="us-east-1", path=url, s3client_config=_s3tc_config())
+
+
+def raw_boto3(sd, url, pg):
+    """The ceiling: the same bytes as one multipart PUT and one GET with boto3's transfer manager."""
+    from boto3.s3.transfer import TransferConfig
+
+    bucket, key = url[len("s3://") :].split("/", 1)
+    client = boto3.client("s3")
+    cfg = TransferConfig(multipart_threshold=16 * MiB, multipart_chunksize=16 * MiB, max_concurrency=16)
+    payload = bytearray(nbytes(sd))
+    import io
+
+    t0 = time.perf_counter()
+    client.upload_fileobj(io.BytesIO(payload), bucket, f"{key}/blob-{os.getpid()}", Config=cfg)
+    commit = time.perf_counter() - t0
+    sink = io.BytesIO()
+    load, _ = _timed(lambda: client.download_fileobj(bucket, f"{key}/blob-{os.getpid()}", sink, Config=cfg))
+    return {"blocking_s": commit, "commit_s": commit, "load_s": load}
+
+
+def contenders(with_s3tc: bool) -> dict:
+    out = {
+        "dcpstore AsyncCheckpointer": dcpstore_async,
+        "dcpstore ObjectStoreWriter dcp.save": _dcp_pair(_dcpstore_writer, _dcpstore_reader, False),
+        "dcpstore ObjectStoreWriter dcp.async_save": _dcp_pair(_dcpstore_writer, _dcpstore_reader, True),
+        "torch FsspecWriter dcp.save": _dcp_pair(_fsspec_writer, _fsspec_reader, False),
+        "torch FsspecWriter dcp.async_save": _dcp_pair(_fsspec_writer, _fsspec_reader, True),
+        "raw boto3 multipart": raw_boto3,
+    }
+    if with_s3tc:
+        out["s3torchconnector dcp.save"] = _dcp_pair(_s3tc_writer, _s3tc_reader, False)
+    return out
+
+
+DISTRIBUTED = ("dcpstore AsyncCheckpointer", "dcpstore ObjectStoreWriter dcp.save", "torch FsspecWriter dcp.save")
+
+
+def _have_s3tc() -> bool:
+    try:
+        import s3torchconnector.dcp  # noqa: F401
+    except Exception:  # noqa: BLE001 - optional extra
+        return False
+    return True
+
+
+# -- running ------------------------------------------------------------------------------
+
+
+def measure(name, fn, sd, url, pg, counter) -> dict:
+    before = counter.count
+    gc_collect()
+    with PeakRSS() as rss:
+        result = fn(sd, url, pg)
+    size = nbytes(sd)
+    result.update(
+        requests=counter.count - before,
+        peak_rss_over_state=rss.peak_extra / size,
+        save_mb_s=size / MiB / result["commit_s"],
+        load_mb_s=size / MiB / result["load_s"],
+        bytes=size,
+    )
+    return result
+
+
+def gc_collect():
+    import gc
+
+    gc.collect()
+
+
+def _rank_main(rank, world_size, init_file, endpoint, names, rounds, size, bucket, queue):
+    """A rank of a world-size>1 run: the same contenders, each rank saving its own shard."""
+    import torch.distributed as dist
+
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    pg = dist.new_group(backend="gloo")
+    counter = RequestCounter()
+    full = make_state_dict(size)
+    sd = {k: v for i, (k, v) in enumerate(full.items()) if i % world_size == rank}
+    table = contenders(False)
+    rows = []
+    for r in range(rounds):
+        for i, name in enumerate(names):
+            url = f"s3://{bucket}/ws{world_size}-r{r}-c{i}/step_00000001"  # the same on every rank
+            dist.barrier(pg)
+            result = measure(name, table[name], sd, url, pg, counter)
+            dist.barrier(pg)
+            rows.append((name, r, result))
+    queue.put((rank, rows))
+    dist.destroy_process_group()
+
+
+def run_distributed(world_size, endpoint, names, rounds, size, bucket):
+    import multiprocessing as mp
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init_file = os.path.join(tempfile.mkdtemp(), "init")
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, init_file, endpoint, names, rounds, size, bucket, queue))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    per_rank = dict(queue.get(timeout=3600) for _ in procs)
+    for p in procs:
+        p.join()
+    # A distributed save is as slow as its slowest rank; requests and memory add up per rank.
+    merged = []
+    for i, (name, r, first) in enumerate(per_rank[0]):
+        rows = [per_rank[k][i][2] for k in per_rank]
+        merged.append(
+            (name, r, {
+                "blocking_s": max(x["blocking_s"] for x in rows),
+                "commit_s": max(x["commit_s"] for x in rows),
+                "load_s": max(x["load_s"] for x in rows),
+                "requests": sum(x["requests"] for x in rows),
+                "peak_rss_over_state": max(x["peak_rss_over_state"] for x in rows),
+                "bytes": sum(x["bytes"] for x in rows),
+            })
+        )
+    for _, _, row in merged:
+        row["save_mb_s"] = row["bytes"] / MiB / row["commit_s"]
+        row["load_mb_s"] = row["bytes"] / MiB / row["load_s"]
+    return merged
+
+
+def summarize(rows) -> dict:
+    by_name: dict[str, list] = {}
+    for name, _, result in rows:
+        by_name.setdefault(name, []).append(result)
+    return {
+        name: {key: statistics.median(r[key] for r in results) for key in results[0]}
+        for name, results in by_name.items()
+    }
+
+
+def add_ratios(summary: dict) -> None:
+    raw = summary.get("raw boto3 multipart")
+    peers = {n: s for n, s in summary.items() if not n.startswith(("dcpstore", "raw"))}
+    best_peer = max(peers.values(), key=lambda s: s["save_mb_s"]) if peers else None
+    for name, s in summary.items():
+        if raw:
+            s["save_vs_raw_boto3"] = s["save_mb_s"] / raw["save_mb_s"]
+            s["load_vs_raw_boto3"] = s["load_mb_s"] / raw["load_mb_s"]
+        if best_peer and name.startswith("dcpstore"):
+            s["save_vs_best_peer"] = s["save_mb_s"] / best_peer["save_mb_s"]
+            s["load_vs_best_peer"] = s["load_mb_s"] / best_peer["load_mb_s"]
+
+
+def print_table(title: str, summary: dict) -> str:
+    lines = [f"\n{title}", f"{'contender':<44}{'block s':>9}{'commit s':>9}{'save MB/s':>10}{'load MB/s':>10}"
+             f"{'RSS/sd':>8}{'reqs':>7}{'save/raw':>9}{'save/peer':>10}"]
+    for name, s in summary.items():
+        lines.append(
+            f"{name:<44}{s['blocking_s']:>9.3f}{s['commit_s']:>9.3f}{s['save_mb_s']:>10.0f}{s['load_mb_s']:>10.0f}"
+            f"{s['peak_rss_over_state']:>8.2f}{s['requests']:>7.0f}"
+            f"{s.get('save_vs_raw_boto3', float('nan')):>9.2f}{s.get('save_vs_best_peer', float('nan')):>10.2f}"
+        )
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    main = results["runs"][0]
+    names = list(main["summary"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 6))
+    y = range(len(names))
+    ax1.barh(y, [main["summary"][n]["commit_s"] for n in names], color="tab:blue", label="time to commit")
+    ax1.barh(y, [main["summary"][n]["blocking_s"] for n in names], color="tab:orange", label="blocking (training stalled)")
+    ax1.set_yticks(list(y), names, fontsize=8)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("seconds (median)")
+    ax1.set_title(f"{main['label']}")
+    ax1.legend(fontsize=8)
+    for name in ("dcpstore AsyncCheckpointer", "torch FsspecWriter dcp.save", "raw boto3 multipart"):
+        pts = [(s["size_mib"], s["summary"][name]["commit_s"]) for s in results.get("sweep", []) if name in s["summary"]]
+        if pts:
+            ax2.plot(*zip(*pts), marker="o", label=name)
+    ax2.set_xlabel("state dict MiB")
+    ax2.set_ylabel("time to commit, s (median)")
+    ax2.set_title("scaling (world size 1)")
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"dcpstore benchmark on {results['machine']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--sweep-mib", type=int, nargs="*", default=[256, 1024, 2048],
+                        help="state-dict sizes for the scaling sweep (world size 1); none to skip")
+    parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--no-s3torchconnector", action="store_true")
+    args = parser.parse_args(argv)
+    warnings.simplefilter("ignore")
+    os.makedirs(args.out, exist_ok=True)
+
+    from dcpstore.local_s3 import TEST_CREDENTIALS, MotoServer
+
+    os.environ.update(TEST_CREDENTIALS)
+    server = MotoServer()
+    os.environ["AWS_ENDPOINT_URL"] = server.endpoint
+    machine = f"{platform.machine()} {psutil.cpu_count()} cores {psutil.virtual_memory().total / 2**30:.0f} GiB, {platform.system()}"
+    results = {"machine": machine, "date": datetime.date.today().isoformat(), "server": "moto server (subprocess, loopback)", "runs": [], "sweep": []}
+    s3 = boto3.client("s3")
+    counter = RequestCounter()
+    texts = []
+    try:
+        with_s3tc = not args.no_s3torchconnector and _have_s3tc()
+        table = contenders(with_s3tc)
+
+        def run_ws1(size_mib, rounds, names):
+            bucket = f"bench-{uuid.uuid4().hex[:8]}"
+            s3.create_bucket(Bucket=bucket)
+            sd = make_state_dict(size_mib * MiB)
+            rows = []
+            for r in range(rounds):
+                for name in names:  # interleaved: A B C ... A B C
+                    url = f"s3://{bucket}/r{r}-{uuid.uuid4().hex[:6]}/step_00000001"
+                    rows.append((name, r, measure(name, table[name], sd, url, None, counter)))
+                    _empty_bucket(s3, bucket)
+            return rows
+
+        for ws in args.world_sizes:
+            if ws == 1:
+                rows = run_ws1(args.size_mib, args.rounds, list(table))
+            else:
+                bucket = f"bench-{uuid.uuid4().hex[:8]}"
+                s3.create_bucket(Bucket=bucket)
+                rows = run_distributed(ws, server.endpoint, list(DISTRIBUTED) + ["raw boto3 multipart"], args.rounds, args.size_mib * MiB, bucket)
+                _empty_bucket(s3, bucket)
+            summary = summarize(rows)
+            add_ratios(summary)
+            label = f"{args.size_mib} MiB state dict, world size {ws}, {args.rounds} rounds, medians"
+            results["runs"].append({"label": label, "world_size": ws, "size_mib": args.size_mib, "summary": summary, "rows": rows})
+            texts.append(print_table(label, summary))
+        for size in args.sweep_mib:
+            names = ["dcpstore AsyncCheckpointer", "torch FsspecWriter dcp.save", "raw boto3 multipart"]
+            summary = summarize(run_ws1(size, args.rounds, names))
+            add_ratios(summary)
+            results["sweep"].append({"size_mib": size, "summary": summary})
+            texts.append(print_table(f"sweep: {size} MiB, world size 1", summary))
+        blocking_ratio = _blocking_vs_memcpy(make_state_dict(args.size_mib * MiB), results)
+        texts.append(f"\ndcpstore AsyncCheckpointer blocking time / one torch.clone of the state dict: {blocking_ratio:.2f}")
+        print(texts[-1])
+    finally:
+        server.stop()
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    with open(os.path.join(args.out, "results.txt"), "w") as f:
+        f.write(f"machine: {machine}\n" + "\n".join(texts) + "\n")
+    plot(results, os.path.join(args.out, "results.png"))
+    print(f"\nwrote {args.out}/results.json, results.txt, results.png")
+    return 0
+
+
+def _blocking_vs_memcpy(sd, results) -> float:
+    """Steady-state blocking time of save (pool reused) over one clone of the same tensors."""
+    import dcpstore
+
+    bucket = f"bench-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3").create_bucket(Bucket=bucket)
+    ckpt = dcpstore.AsyncCheckpointer(f"s3://{bucket}/run")
+    blocking = []
+    for step in range(3):
+        handle = ckpt.save(sd, step=step)
+        blocking.append(handle.stats.blocking_s)
+        handle.result()
+    ckpt.close()
+    clones = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        copy = {k: v.clone() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        clones.append(time.perf_counter() - t0)
+        del copy
+    ratio = statistics.median(blocking[1:]) / statistics.median(clones)
+    results["blocking_vs_clone"] = {"blocking_s": blocking, "clone_s": clones, "ratio_steady_state": ratio,
+                                    "ratio_first_save": blocking[0] / statistics.median(clones)}
+    return ratio
+
+
+def _empty_bucket(s3, bucket):
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            s3.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+
+
+if __name__ == "__main__":
+    sys.exit(main())
