@@ -251,6 +251,12 @@ def _have_s3tc() -> bool:
 
 
 def measure(name, fn, sd, url, pg, counter) -> dict:
+    """One save + load of ``sd`` at ``url``.
+
+    ``peak_rss_over_state`` is the peak extra resident memory of the whole
+    save + load over the state-dict bytes; the load's destination state dict
+    accounts for 1.0 of it in every contender.
+    """
     before = counter.count
     gc_collect()
     with PeakRSS() as rss:

@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import io
+import itertools
 import logging
 import random
 import threading
@@ -299,19 +300,22 @@ class ObjectStore:
         return data
 
     def _retrying(self, op: str, key: str, fn: Callable[[], Any]) -> Any:
-        policy = self.transfer.retry
-        for attempt in range(policy.max_attempts):
+        for attempt in itertools.count():
             try:
                 return fn()
-            except Exception as e:  # noqa: BLE001 - classified below
-                if not is_retryable(e):
-                    raise translate_error(e, self.url_for(key)) from e
-                if attempt + 1 == policy.max_attempts:
-                    raise _gave_up(op, self.url_for(key), policy.max_attempts, e) from e
-                delay = policy.backoff(attempt)
-                logger.info("%s %s failed (%s); retry %d in %.2fs", op, self.url_for(key), e, attempt + 1, delay)
-                time.sleep(delay)
-        raise AssertionError("unreachable")
+            except Exception as e:  # noqa: BLE001 - classified by _retry_delay
+                time.sleep(self._retry_delay(op, key, attempt, e))
+
+    def _retry_delay(self, op: str, key: str, attempt: int, exc: Exception) -> float:
+        """How long to wait before retrying after ``exc``; raises when it is not worth it."""
+        policy = self.transfer.retry
+        if not is_retryable(exc):
+            raise translate_error(exc, self.url_for(key)) from exc
+        if attempt + 1 >= policy.max_attempts:
+            raise _gave_up(op, self.url_for(key), attempt + 1, exc) from exc
+        delay = policy.backoff(attempt)
+        logger.info("%s %s failed (%s); retry %d in %.2fs", op, self.url_for(key), exc, attempt + 1, delay)
+        return delay
 
 
 class ObjectWriter:
@@ -449,20 +453,12 @@ class S3ObjectStore(ObjectStore):
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
 
     async def _call(self, op: str, key: str, method: str, **kwargs) -> Any:
-        policy = self.transfer.retry
-        for attempt in range(policy.max_attempts):
+        for attempt in itertools.count():
             try:
                 client = await self._s3()
                 return await getattr(client, method)(**kwargs)
-            except Exception as e:  # noqa: BLE001 - classified below
-                if not is_retryable(e):
-                    raise translate_error(e, self.url_for(key)) from e
-                if attempt + 1 == policy.max_attempts:
-                    raise _gave_up(op, self.url_for(key), policy.max_attempts, e) from e
-                delay = policy.backoff(attempt)
-                logger.info("%s %s failed (%s); retry %d in %.2fs", op, self.url_for(key), e, attempt + 1, delay)
-                await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
+            except Exception as e:  # noqa: BLE001 - classified by _retry_delay
+                await asyncio.sleep(self._retry_delay(op, key, attempt, e))
 
     def _run(self, coro):
         return self._submit(coro).result()
@@ -500,17 +496,13 @@ class S3ObjectStore(ObjectStore):
     async def _get_one(self, key: str, start: int | None, end: int | None) -> bytes:
         bucket, path = self._split(key)
         ranged = {} if start is None else {"Range": f"bytes={start}-{end - 1}"}
-        policy = self.transfer.retry
-        for attempt in range(policy.max_attempts):
+        for attempt in itertools.count():
             resp = await self._call("GET", key, "get_object", Bucket=bucket, Key=path, **ranged)
             try:
                 async with resp["Body"] as body:
                     return await body.read()
-            except Exception as e:  # a connection reset while streaming the body
-                if not is_retryable(e) or attempt + 1 == policy.max_attempts:
-                    raise _gave_up("GET", self.url_for(key), attempt + 1, e) from e
-                await asyncio.sleep(policy.backoff(attempt))
-        raise AssertionError("unreachable")
+            except Exception as e:  # noqa: BLE001 - e.g. a connection reset while streaming the body
+                await asyncio.sleep(self._retry_delay("GET", key, attempt, e))
 
     def exists(self, key: str) -> bool:
         try:
@@ -527,28 +519,34 @@ class S3ObjectStore(ObjectStore):
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         return self._run(self._list(prefix))
 
-    async def _list(self, prefix: str) -> list[ObjectInfo]:
+    async def _pages(self, op: str, prefix: str, method: str, continuation: dict[str, str]):
+        """Every page of a paginated listing under ``prefix``.
+
+        ``continuation`` maps each request parameter to the response field
+        that carries its value for the next page.
+        """
         bucket, path = self._split(prefix.strip("/"))
-        if path:
-            path += "/"
-        out: list[ObjectInfo] = []
-        token = None
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": f"{path}/" if path else ""}
         while True:
-            kwargs = {"Bucket": bucket, "Prefix": path}
-            if token:
-                kwargs["ContinuationToken"] = token
-            resp = await self._call("LIST", prefix, "list_objects_v2", **kwargs)
+            resp = await self._call(op, prefix, method, **kwargs)
+            yield bucket, resp
+            if not resp.get("IsTruncated"):
+                return
+            kwargs.update({param: resp.get(field) for param, field in continuation.items()})
+
+    async def _list(self, prefix: str) -> list[ObjectInfo]:
+        out = []
+        async for bucket, resp in self._pages("LIST", prefix, "list_objects_v2", {"ContinuationToken": "NextContinuationToken"}):
             for obj in resp.get("Contents", []):
+                modified = obj.get("LastModified")
                 out.append(
                     ObjectInfo(
                         key=self._relative(f"{bucket}/{obj['Key']}"),
                         size=int(obj["Size"]),
-                        last_modified=obj["LastModified"].timestamp() if obj.get("LastModified") else None,
+                        last_modified=modified.timestamp() if modified else None,
                     )
                 )
-            if not resp.get("IsTruncated"):
-                return sorted(out, key=lambda o: o.key)
-            token = resp["NextContinuationToken"]
+        return sorted(out, key=lambda o: o.key)
 
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)
@@ -565,13 +563,9 @@ class S3ObjectStore(ObjectStore):
         return self._run(self._list_uploads(prefix))
 
     async def _list_uploads(self, prefix: str) -> list[MultipartUploadInfo]:
-        bucket, path = self._split(prefix.strip("/"))
-        if path:
-            path += "/"
-        out: list[MultipartUploadInfo] = []
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": path}
-        while True:
-            resp = await self._call("LIST-UPLOADS", prefix, "list_multipart_uploads", **kwargs)
+        out = []
+        continuation = {"KeyMarker": "NextKeyMarker", "UploadIdMarker": "NextUploadIdMarker"}
+        async for bucket, resp in self._pages("LIST-UPLOADS", prefix, "list_multipart_uploads", continuation):
             for up in resp.get("Uploads", []):
                 initiated = up.get("Initiated")
                 out.append(
@@ -581,10 +575,7 @@ class S3ObjectStore(ObjectStore):
                         initiated=initiated.timestamp() if initiated else None,
                     )
                 )
-            if not resp.get("IsTruncated"):
-                return out
-            kwargs["KeyMarker"] = resp.get("NextKeyMarker")
-            kwargs["UploadIdMarker"] = resp.get("NextUploadIdMarker")
+        return out
 
     def abort_upload(self, key: str, upload_id: str) -> None:
         self._run(self._abort(key, upload_id))
