@@ -15,7 +15,6 @@ into ``--out``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os

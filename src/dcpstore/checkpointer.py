@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CheckpointSaveError, CheckpointTimeoutError
-from .layout import committed_steps, list_steps, step_prefix
+from .layout import committed_steps, step_prefix
 from .plan_cache import CachedPlan, PlanCache
 from .reader import ObjectStoreReader, check_state_dict
 from .staging import StagedItems, StagingPool

@@ -120,14 +120,16 @@ def open_store(
     url = str(url).rstrip("/")
     protocol, rest = fsspec.core.split_protocol(url)
     protocol = protocol or "file"
-    if protocol not in ("s3", "s3a"):
-        return _new_store(url, storage_options, transfer)
-    bucket, _, prefix = rest.partition("/")
-    key = (protocol, bucket, repr(sorted((storage_options or {}).items())), transfer)
+    if protocol in ("s3", "s3a"):
+        bucket, _, prefix = rest.partition("/")
+        base = f"{protocol}://{bucket}"
+    else:  # no bucket to share a connection under: one store per URL
+        base, prefix = url, ""
+    key = (base, repr(sorted((storage_options or {}).items())), transfer)
     with _stores_lock:
         root = _stores.get(key)
         if root is None:
-            root = _stores[key] = _new_store(f"{protocol}://{bucket}", storage_options, transfer)
+            root = _stores[key] = _new_store(base, storage_options, transfer)
     return root.child(prefix)
 
 
