@@ -13,7 +13,18 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "terraform"
 
 def parse(name: str) -> dict:
     with open(ROOT / name) as f:
-        return hcl2.load(f)
+        return clean(hcl2.load(f))
+
+
+def clean(value):
+    """Drop the quotes python-hcl2 8 keeps around labels and string literals."""
+    if isinstance(value, dict):
+        return {clean(k): clean(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [clean(v) for v in value]
+    if isinstance(value, str) and len(value) >= 2 and value[0] == value[-1] == '"':
+        return value[1:-1]
+    return value
 
 
 def unwrap(value):
