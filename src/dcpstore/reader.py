@@ -66,7 +66,6 @@ class ObjectStoreReader(StorageReader):
         self.transfer = transfer or TransferConfig()
         self.readahead_bytes = readahead_bytes
         self.verify_checksums = verify_checksums
-        self.metadata: Metadata | None = None
         self.reset(url)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -76,8 +75,16 @@ class ObjectStoreReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict = {}
         self._checksums: dict = {}
+        self.metadata: Metadata | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's metadata, read once per ``reset``.
+
+        Callers that inspect the metadata before ``dcp.load`` (as
+        ``AsyncCheckpointer.load`` does) then cost no second GET of it.
+        """
+        if self.metadata is not None:
+            return self.metadata
         metadata = read_metadata(self.store)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
