@@ -3,7 +3,8 @@
 Every test talks HTTP to a real moto server process (``dcpstore.local_s3``);
 nothing of dcpstore is mocked.  ``FaultProxy`` sits between a client and moto when a test needs the
 network to misbehave: it answers chosen requests with S3 errors (503
-SlowDown, 500, 403), delays them, or cuts the connection.
+SlowDown, 500, 403), delays them, cuts the connection before or after the
+server acted on them (a lost response), or cuts a response body short.
 """
 
 from __future__ import annotations
@@ -27,8 +28,12 @@ class Rule:
     code: str = "SlowDown"
     delay: float = 0.0  # seconds before forwarding
     reset: bool = False  # close the connection without answering
+    drop_response: bool = False  # forward to the server, then close without answering
+    truncate: bool = False  # forward, then send only half the response body
+    after: int = 0  # let this many matching requests through first (fail the Nth attempt)
     times: int | None = None  # apply this many times, then stop (None: always)
-    hits: int = 0
+    seen: int = 0  # matching requests so far
+    hits: int = 0  # requests the fault was applied to
 
     def matches(self, method: str, path: str) -> bool:
         return (
@@ -92,6 +97,11 @@ class FaultProxy:
                 conn.request(self.command, self.path, body=body, headers=headers)
                 resp = conn.getresponse()
                 data = resp.read()
+                conn.close()
+                if rule is not None and rule.drop_response:
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                    return
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "content-length", "connection"):
@@ -100,9 +110,13 @@ class FaultProxy:
                 length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
                 self.send_header("Content-Length", length)
                 self.end_headers()
-                if self.command != "HEAD":
+                if rule is not None and rule.truncate:
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                elif self.command != "HEAD":
                     self.wfile.write(data)
-                conn.close()
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
@@ -127,6 +141,9 @@ class FaultProxy:
             self.requests.append((method, path))
             for rule in self.rules:
                 if rule.matches(method, path):
+                    rule.seen += 1
+                    if rule.seen <= rule.after:
+                        continue
                     rule.hits += 1
                     return rule
         return None

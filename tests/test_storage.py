@@ -5,14 +5,17 @@ import time
 
 import pytest
 
+import dcpstore
 from dcpstore import (
     BucketNotFoundError,
+    ConditionalWriteError,
     CorruptCheckpointError,
     ObjectNotFoundError,
     RetryPolicy,
     StorageAccessError,
     TransferConfig,
     TransientStorageError,
+    UnsupportedByStoreError,
 )
 from dcpstore.storage import S3ObjectStore, open_store
 from s3server import MotoServer, free_port
@@ -172,3 +175,163 @@ def test_wrong_credentials(moto_endpoint):
         assert isinstance(info.value, PermissionError)
     finally:
         server.stop()
+
+
+# -- retries resend whole bodies, per request, classified by code -----------------------------
+
+FAST_RETRY = TransferConfig(
+    part_size=5 * MiB,
+    max_concurrency=4,
+    read_timeout=20,
+    retry=RetryPolicy(max_attempts=4, initial_backoff=0.01),
+)
+
+
+def _via_proxy(bucket, proxy, prefix, transfer=FAST_RETRY):
+    return open_store(f"s3://{bucket}/{prefix}", storage_options={"endpoint_url": proxy.endpoint}, transfer=transfer)
+
+
+@pytest.mark.parametrize("make_body", [bytes, bytearray, memoryview], ids=["bytes", "bytearray", "memoryview"])
+def test_retried_put_resends_the_whole_body(bucket, proxy, make_body):
+    """A reused body stream would resume at its end and time out on every retry."""
+    rule = proxy.add("PUT", r"/body$", status=503, code="SlowDown", times=1)
+    store = _via_proxy(bucket, proxy, "rb")
+    data = os.urandom(300_000)
+    store.put("body", make_body(data))
+    assert rule.hits == 1
+    assert store.get("body") == data
+
+
+@pytest.mark.parametrize("part", [1, 2, 3])
+def test_a_failed_part_is_retried_alone(bucket, proxy, part):
+    """The first attempt of part N gets a 503; only that part is sent again."""
+    rule = proxy.add("PUT", rf"partNumber={part}$", status=503, code="SlowDown", times=1)
+    store = _via_proxy(bucket, proxy, "pr")
+    data = os.urandom(12 * MiB + 5)
+    with store.open_writer("streamed") as w:  # streamed as torch.save writes: small pieces
+        for i in range(0, len(data), 1 << 20):
+            w.write(memoryview(data)[i : i + (1 << 20)])
+    assert rule.hits == 1
+    part_puts = [p for m, p in proxy.requests if m == "PUT" and "partNumber=" in p]
+    assert len(part_puts) == 4  # 3 parts + 1 retry; the upload was not restarted
+    assert sum("uploads" in p for m, p in proxy.requests if m == "POST") == 1
+    assert store.get("streamed") == data
+
+
+def test_second_attempt_failing_too_is_still_bounded(bucket, proxy):
+    rule = proxy.add("PUT", r"partNumber=2$", status=500, code="InternalError", after=0, times=2)
+    store = _via_proxy(bucket, proxy, "p2")
+    data = os.urandom(11 * MiB)
+    with store.open_writer("obj") as w:
+        w.write(data)
+    assert rule.hits == 2
+    assert store.get("obj") == data
+
+
+def test_not_implemented_is_not_retried(bucket, proxy):
+    rule = proxy.add("GET", r"uploads", status=501, code="NotImplemented")
+    store = _via_proxy(bucket, proxy, "ni")
+    with pytest.raises(UnsupportedByStoreError, match="does not implement"):
+        store.list_multipart_uploads()
+    assert rule.hits == 1
+
+
+def test_client_errors_are_not_retried(bucket, proxy):
+    rule = proxy.add("PUT", r"/denied$", status=403, code="AccessDenied")
+    store = _via_proxy(bucket, proxy, "ce")
+    with pytest.raises(StorageAccessError, match="denied"):
+        store.put("denied", b"x")
+    assert rule.hits == 1
+
+
+def test_truncated_get_body_is_retried(bucket, proxy):
+    store = _via_proxy(bucket, proxy, "tg")
+    data = os.urandom(200_000)
+    store.put("obj", data)
+    rule = proxy.add("GET", r"/obj$", truncate=True, times=1)
+    assert store.get_range("obj", 10, 150_000) == data[10:150_000]
+    assert rule.hits == 1
+
+
+def test_create_multipart_upload_with_a_lost_response_leaks_nothing(bucket, proxy, s3):
+    rule = proxy.add("POST", r"\?uploads", drop_response=True, times=1)
+    store = _via_proxy(bucket, proxy, "lc")
+    data = os.urandom(6 * MiB)
+    with store.open_writer("obj") as w:
+        w.write(data)
+    assert rule.hits == 1
+    assert s3.list_multipart_uploads(Bucket=bucket, Prefix="lc/").get("Uploads", []) == []
+    assert store.get("obj") == data
+
+
+def test_complete_multipart_upload_with_a_lost_success_succeeds(bucket, proxy):
+    rule = proxy.add("POST", r"uploadId=", drop_response=True, times=1)
+    store = _via_proxy(bucket, proxy, "lm")
+    data = os.urandom(6 * MiB)
+    with store.open_writer("obj") as w:
+        w.write(data)
+    assert rule.hits == 1
+    assert store.get("obj") == data
+
+
+# -- conditional writes -------------------------------------------------------------------
+
+
+def _stores_for_conditions(bucket, tmp_path):
+    return [open_store(f"s3://{bucket}/cw"), open_store(f"file://{tmp_path}/cw"), open_store("memory://dcpstore-cw/x")]
+
+
+def test_if_none_match_refuses_an_existing_object(bucket, tmp_path):
+    for store in _stores_for_conditions(bucket, tmp_path):
+        store.put("m", b"first", if_none_match=True)
+        with pytest.raises(ConditionalWriteError, match=r"/m: .*exist"):
+            store.put("m", b"second", if_none_match=True)
+        assert store.get("m") == b"first", store.url
+
+
+def test_if_match_replaces_only_the_version_read(bucket, tmp_path):
+    for store in _stores_for_conditions(bucket, tmp_path):
+        store.put("v", b"one")
+        _, tag = store.get_with_etag("v")
+        store.put("v", b"two", if_match=tag)
+        with pytest.raises(ConditionalWriteError):
+            store.put("v", b"three", if_match=tag)  # someone (we) changed it since
+        assert store.get("v") == b"two", store.url
+
+
+def test_conditional_put_after_a_lost_response_is_a_success(bucket, proxy):
+    rule = proxy.add("PUT", r"/meta$", drop_response=True, times=1)
+    store = _via_proxy(bucket, proxy, "cl")
+    store.put("meta", b"ours", if_none_match=True)
+    assert rule.hits == 1
+    store.put("other", b"x")
+    with pytest.raises(ConditionalWriteError):
+        store.put("other", b"not ours", if_none_match=True)
+
+
+def test_server_without_conditional_writes_falls_back_to_a_check(bucket, proxy):
+    proxy.add("PUT", r"/nc$", status=501, code="NotImplemented", times=1)
+    store = _via_proxy(bucket, proxy, "nc")
+    store.put("nc", b"1", if_none_match=True)
+    assert store.get("nc") == b"1"
+
+
+def test_local_commit_is_atomic_and_leaves_no_temporary_files(tmp_path):
+    store = open_store(f"file://{tmp_path}/at")
+    store.put("step/.metadata", b"m", if_none_match=True)
+    with pytest.raises(ConditionalWriteError):
+        store.put("step/.metadata", b"n", if_none_match=True)
+    assert sorted(os.listdir(tmp_path / "at" / "step")) == [".metadata"]
+
+
+# -- URLs -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3:///", "s3:///prefix", "s3a://"])
+def test_s3_url_without_bucket_is_refused(url, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="needs a bucket"):
+        open_store(url)
+    assert not dcpstore.ObjectStoreWriter.validate_checkpoint_id(url)
+    assert not dcpstore.ObjectStoreReader.validate_checkpoint_id(url)
+    assert os.listdir(tmp_path) == []

@@ -13,12 +13,14 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointSaveError,
     CheckpointTimeoutError,
+    ConditionalWriteError,
     CorruptCheckpointError,
     DcpstoreError,
     ObjectNotFoundError,
     StateDictMismatchError,
     StorageAccessError,
     TransientStorageError,
+    UnsupportedByStoreError,
 )
 from .plan_cache import PlanCache
 from .planner_data import ALL_LOCAL_PLANS_KEY, read_checksums, read_plans
@@ -34,6 +36,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointSaveError",
     "CheckpointTimeoutError",
+    "ConditionalWriteError",
     "CorruptCheckpointError",
     "DcpstoreError",
     "ObjectNotFoundError",
@@ -47,6 +50,7 @@ __all__ = [
     "StorageAccessError",
     "TransferConfig",
     "TransientStorageError",
+    "UnsupportedByStoreError",
     "open_store",
     "read_checksums",
     "read_plans",

@@ -45,7 +45,7 @@ from .layout import committed_steps, step_prefix
 from .plan_cache import CachedPlan, PlanCache
 from .reader import ObjectStoreReader, check_state_dict
 from .staging import StagedItems, StagingPool
-from .storage import TransferConfig, open_store
+from .storage import TransferConfig, normalize_url, open_store
 from .writer import METADATA_KEY, ObjectStoreWriter
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ class AsyncCheckpointer:
             raise ValueError("keep_last must be >= 1 or None")
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
-        self.root = str(root).rstrip("/")
+        self.root = normalize_url(root)
         self.storage_options = dict(storage_options or {})
         self.keep_last = keep_last
         self.planning = planning

@@ -29,6 +29,10 @@ class CheckpointExistsError(DcpstoreError, FileExistsError):
     """A save targets a prefix that already holds a committed checkpoint."""
 
 
+class ConditionalWriteError(DcpstoreError, FileExistsError):
+    """A conditional write was refused: the object exists (``If-None-Match``) or changed (``If-Match``)."""
+
+
 class CorruptCheckpointError(DcpstoreError, ValueError):
     """A shard object is truncated, or its bytes do not match their checksum."""
 
@@ -43,6 +47,10 @@ class StorageAccessError(DcpstoreError, PermissionError):
 
 class TransientStorageError(DcpstoreError, OSError):
     """A request kept failing with retryable errors until the retry budget ran out."""
+
+
+class UnsupportedByStoreError(DcpstoreError, OSError):
+    """The store does not implement a request (HTTP 501), e.g. ``ListMultipartUploads`` on some servers."""
 
 
 class CheckpointSaveError(DcpstoreError, RuntimeError):

@@ -36,7 +36,7 @@ from .errors import (
     ObjectNotFoundError,
     StateDictMismatchError,
 )
-from .storage import ObjectStore, TransferConfig, open_store
+from .storage import ObjectStore, TransferConfig, is_store_url, normalize_url, open_store
 from .writer import METADATA_KEY
 
 
@@ -70,7 +70,7 @@ class ObjectStoreReader(StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.url = str(checkpoint_id).rstrip("/")
+            self.url = normalize_url(checkpoint_id)
             self.store: ObjectStore = open_store(self.url, self.storage_options, self.transfer)
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict = {}
@@ -166,7 +166,7 @@ class ObjectStoreReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return "://" in str(checkpoint_id)
+        return is_store_url(checkpoint_id)
 
 
 def read_metadata(store: ObjectStore) -> Metadata:

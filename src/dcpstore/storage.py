@@ -20,22 +20,28 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import hashlib
 import io
 import itertools
 import logging
+import os
 import random
 import threading
 import time
+import uuid
 from typing import Any, Callable, Iterable
 
 import fsspec
 
 from .errors import (
     BucketNotFoundError,
+    DcpstoreError,
+    ConditionalWriteError,
     CorruptCheckpointError,
     ObjectNotFoundError,
     StorageAccessError,
     TransientStorageError,
+    UnsupportedByStoreError,
 )
 
 logger = logging.getLogger(__name__)
@@ -105,6 +111,34 @@ class MultipartUploadInfo:
 _stores: dict[tuple, "ObjectStore"] = {}
 _stores_lock = threading.Lock()
 
+_S3_SCHEMES = ("s3", "s3a")
+
+
+def normalize_url(url: str | os.PathLike) -> str:
+    """``url`` without trailing slashes; ``ValueError`` when it names no store location.
+
+    Checked before stripping: ``"s3://"`` stripped is ``"s3:"``, which fsspec
+    would take for a local folder of that name.
+    """
+    text = str(url)
+    protocol, rest = fsspec.core.split_protocol(text)
+    if protocol in _S3_SCHEMES and not rest.partition("/")[0]:
+        raise ValueError(f"{text!r}: an S3 URL needs a bucket: s3://BUCKET/PREFIX")
+    if protocol is not None and not rest.strip("/"):
+        raise ValueError(f"{text!r}: the URL names no location after {protocol}://")
+    return text.rstrip("/")
+
+
+def is_store_url(url: str | os.PathLike) -> bool:
+    """Whether ``url`` is a URL (``scheme://...``) that names a store location."""
+    if "://" not in str(url):
+        return False
+    try:
+        normalize_url(url)
+    except ValueError:
+        return False
+    return True
+
 
 def open_store(
     url: str,
@@ -117,10 +151,10 @@ def open_store(
     writer or reader per checkpoint reuses one connection pool, one set of
     part buffers and one credential lookup; ``url`` only picks the prefix.
     """
-    url = str(url).rstrip("/")
+    url = normalize_url(url)
     protocol, rest = fsspec.core.split_protocol(url)
     protocol = protocol or "file"
-    if protocol in ("s3", "s3a"):
+    if protocol in _S3_SCHEMES:
         bucket, _, prefix = rest.partition("/")
         base = f"{protocol}://{bucket}"
     else:  # no bucket to share a connection under: one store per URL
@@ -141,8 +175,10 @@ def _new_store(url: str, storage_options, transfer) -> "ObjectStore":
         raise ValueError(f"{url}: unknown URL scheme {protocol!r} ({e})") from None
     except ImportError as e:
         raise ValueError(f"{url}: the {protocol!r} filesystem needs a missing package ({e})") from None
-    if protocol in ("s3", "s3a"):
+    if protocol in _S3_SCHEMES:
         return S3ObjectStore(url, storage_options, transfer)
+    if protocol in ("file", "local"):
+        return LocalObjectStore(url, storage_options, transfer)
     return ObjectStore(url, storage_options, transfer)
 
 
@@ -190,8 +226,18 @@ class ObjectStore:
 
     # -- futures API (the primitives) --------------------------------------------
 
-    def put_async(self, key: str, data) -> concurrent.futures.Future:
-        return self._pool.submit(self._retrying, "PUT", key, lambda: self._put_blocking(key, data))
+    def put_async(self, key: str, data, *, if_none_match: bool = False, if_match: str | None = None) -> concurrent.futures.Future:
+        """Write ``data`` (any bytes-like object) as ``key``.
+
+        ``if_none_match``: only if ``key`` does not exist; ``if_match``: only
+        if its current ETag (see ``get_with_etag``) is this one.  Otherwise
+        ``ConditionalWriteError``, and nothing is written.  On S3, a refused
+        condition where the object already holds exactly ``data`` counts as
+        success: it is this write's own earlier attempt, whose response was lost.
+        """
+        return self._pool.submit(
+            self._retrying, "PUT", key, lambda: self._put_blocking(key, data, if_none_match, if_match)
+        )
 
     def get_range_async(self, key: str, start: int, end: int) -> concurrent.futures.Future:
         """Bytes ``[start, end)`` of ``key``; raises ``CorruptCheckpointError`` if fewer exist."""
@@ -201,14 +247,23 @@ class ObjectStore:
 
     # -- blocking API ---------------------------------------------------------
 
-    def put(self, key: str, data) -> None:
-        self.put_async(key, data).result()
+    def put(self, key: str, data, *, if_none_match: bool = False, if_match: str | None = None) -> None:
+        self.put_async(key, data, if_none_match=if_none_match, if_match=if_match).result()
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self.get_range_async(key, start, end).result()
 
     def get(self, key: str) -> bytes:
         return self.get_range(key, 0, self.size(key))
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str | None]:
+        """The object and the tag that ``put(..., if_match=tag)`` expects.
+
+        Stores without ETags use the MD5 of the content, which is what a
+        simple S3 PUT's ETag is too.
+        """
+        data = self.get(key)
+        return data, hashlib.md5(data).hexdigest()
 
     def exists(self, key: str) -> bool:
         return self._retrying("HEAD", key, lambda: self.fs.exists(self._path(key)))
@@ -268,7 +323,30 @@ class ObjectStore:
 
     # -- implementation hooks ----------------------------------------------------
 
-    def _put_blocking(self, key: str, data) -> None:
+    def _put_blocking(self, key: str, data, if_none_match: bool, if_match: str | None) -> None:
+        if not (if_none_match or if_match):
+            self._write(key, data)
+            return
+        # Generic fsspec filesystems have no conditional writes: check, then
+        # write, under a process-wide lock.  Exact within one process (as for
+        # memory://); across processes it is a check-then-act race, as the
+        # README says.
+        with _conditional_lock:
+            self._check_condition(key, if_none_match, if_match)
+            self._write(key, data)
+
+    def _check_condition(self, key: str, if_none_match: bool, if_match: str | None) -> None:
+        try:
+            _, current = self.get_with_etag(key)
+        except ObjectNotFoundError:
+            current = None
+        if if_none_match and current is not None:
+            raise ConditionalWriteError(f"{self.url_for(key)}: object already exists")
+        if if_match and current != if_match:
+            state = "no longer exists" if current is None else f"changed (ETag {current}, expected {if_match})"
+            raise ConditionalWriteError(f"{self.url_for(key)}: object {state}")
+
+    def _write(self, key: str, data) -> None:
         path = self._path(key)
         parent = path.rsplit("/", 1)[0]
         if parent and not self.fs.exists(parent):
@@ -318,6 +396,60 @@ class ObjectStore:
         delay = policy.backoff(attempt)
         logger.info("%s %s failed (%s); retry %d in %.2fs", op, self.url_for(key), exc, attempt + 1, delay)
         return delay
+
+
+_conditional_lock = threading.Lock()
+
+
+class LocalObjectStore(ObjectStore):
+    """``file://``: every object is written durably and appears atomically.
+
+    An object is written to a temporary name in its folder, fsynced, then
+    renamed into place (``os.replace``), and the folder is fsynced, so a
+    crash leaves either no object or the whole one, never a torn
+    ``.metadata`` that counts as committed.  ``if_none_match`` uses
+    ``os.link``, which fails if the name exists, so two processes cannot
+    both create an object; ``if_match`` checks, then renames, under a
+    process-wide lock (exact within a process only).
+    """
+
+    def _put_blocking(self, key: str, data, if_none_match: bool, if_match: str | None) -> None:
+        if if_match:
+            with _conditional_lock:
+                self._check_condition(key, False, if_match)
+                self._write(key, data)
+            return
+        self._write(key, data, exclusive=if_none_match)
+
+    def _write(self, key: str, data, exclusive: bool = False) -> None:
+        path = self._path(key)
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(memoryview(data).cast("B"))
+                f.flush()
+                os.fsync(f.fileno())
+            if exclusive:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise ConditionalWriteError(f"{self.url_for(key)}: object already exists") from None
+            else:
+                os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        _fsync_dir(folder)
+
+
+def _fsync_dir(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class ObjectWriter:
@@ -391,6 +523,8 @@ _RETRYABLE_CODES = frozenset(
         "Throttling",
         "ThrottlingException",
         "RequestLimitExceeded",
+        "TooManyRequests",
+        "ConditionalRequestConflict",
     }
 )
 _ACCESS_CODES = frozenset(
@@ -454,11 +588,39 @@ class S3ObjectStore(ObjectStore):
     def _submit(self, coro) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
 
-    async def _call(self, op: str, key: str, method: str, **kwargs) -> Any:
+    async def _call(
+        self,
+        op: str,
+        key: str,
+        method: str,
+        *,
+        body=None,
+        read_body: bool = False,
+        tries: "_Tries | None" = None,
+        **kwargs,
+    ) -> Any:
+        """One S3 request under the retry policy: the only retry loop a request goes through.
+
+        ``body`` (bytes-like) is wrapped in a fresh reader for every attempt,
+        so a retry resends the whole body; a reused stream would resume where
+        the failed attempt left it while declaring the full length.  With
+        ``read_body`` the response body is read inside the attempt, so a
+        connection cut mid-body is retried like any other transient error.
+        ``tries`` records how many attempts were sent, which tells a caller
+        whether an earlier attempt may have taken effect unseen.
+        """
         for attempt in itertools.count():
+            if tries is not None:
+                tries.count = attempt + 1
             try:
+                if body is not None:
+                    kwargs["Body"] = _as_body(body)
                 client = await self._s3()
-                return await getattr(client, method)(**kwargs)
+                resp = await getattr(client, method)(**kwargs)
+                if read_body:
+                    async with resp["Body"] as stream:
+                        resp["Body"] = await stream.read()
+                return resp
             except Exception as e:  # noqa: BLE001 - classified by _retry_delay
                 await asyncio.sleep(self._retry_delay(op, key, attempt, e))
 
@@ -467,9 +629,58 @@ class S3ObjectStore(ObjectStore):
 
     # -- primitives -------------------------------------------------------------
 
-    def put_async(self, key: str, data) -> concurrent.futures.Future:
+    def put_async(self, key: str, data, *, if_none_match: bool = False, if_match: str | None = None) -> concurrent.futures.Future:
+        return self._submit(self._put(key, data, if_none_match, if_match))
+
+    async def _put(self, key: str, data, if_none_match: bool, if_match: str | None) -> None:
         bucket, path = self._split(key)
-        return self._submit(self._call("PUT", key, "put_object", Bucket=bucket, Key=path, Body=_as_body(data)))
+        conditions = {}
+        if if_none_match:
+            conditions["IfNoneMatch"] = "*"
+        if if_match:
+            conditions["IfMatch"] = if_match
+        try:
+            await self._call("PUT", key, "put_object", body=data, Bucket=bucket, Key=path, **conditions)
+        except ConditionalWriteError:
+            # After a lost response, our own earlier attempt may be what the
+            # condition now sees (resent by us, or by aiohttp, which resends
+            # a PUT once when a kept-alive connection drops).  An object that
+            # holds exactly our bytes means the write took effect.
+            if await self._holds(key, data):
+                return
+            raise
+        except UnsupportedByStoreError:
+            if not conditions:
+                raise
+            logger.warning(
+                "%s: the server does not implement conditional writes; falling back to check-then-write, "
+                "which two concurrent writers can race",
+                self.url_for(key),
+            )
+            await self._check_condition_async(key, if_none_match, if_match)
+            await self._call("PUT", key, "put_object", body=data, Bucket=bucket, Key=path)
+
+    async def _holds(self, key: str, data) -> bool:
+        try:
+            return await self._get_one(key, None, None) == bytes(data)
+        except ObjectNotFoundError:
+            return False
+
+    async def _check_condition_async(self, key: str, if_none_match: bool, if_match: str | None) -> None:
+        bucket, path = self._split(key)
+        try:
+            current = (await self._call("HEAD", key, "head_object", Bucket=bucket, Key=path))["ETag"]
+        except ObjectNotFoundError:
+            current = None
+        if if_none_match and current is not None:
+            raise ConditionalWriteError(f"{self.url_for(key)}: object already exists")
+        if if_match and (current is None or current.strip('"') != if_match.strip('"')):
+            raise ConditionalWriteError(f"{self.url_for(key)}: object changed since ETag {if_match} was read")
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str | None]:
+        bucket, path = self._split(key)
+        resp = self._run(self._call("GET", key, "get_object", read_body=True, Bucket=bucket, Key=path))
+        return resp["Body"], resp.get("ETag")
 
     def get_range_async(self, key: str, start: int, end: int) -> concurrent.futures.Future:
         return self._submit(self._get_range(key, start, end))
@@ -498,13 +709,8 @@ class S3ObjectStore(ObjectStore):
     async def _get_one(self, key: str, start: int | None, end: int | None) -> bytes:
         bucket, path = self._split(key)
         ranged = {} if start is None else {"Range": f"bytes={start}-{end - 1}"}
-        for attempt in itertools.count():
-            resp = await self._call("GET", key, "get_object", Bucket=bucket, Key=path, **ranged)
-            try:
-                async with resp["Body"] as body:
-                    return await body.read()
-            except Exception as e:  # noqa: BLE001 - e.g. a connection reset while streaming the body
-                await asyncio.sleep(self._retry_delay("GET", key, attempt, e))
+        resp = await self._call("GET", key, "get_object", read_body=True, Bucket=bucket, Key=path, **ranged)
+        return resp["Body"]
 
     def exists(self, key: str) -> bool:
         try:
@@ -521,14 +727,16 @@ class S3ObjectStore(ObjectStore):
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         return self._run(self._list(prefix))
 
-    async def _pages(self, op: str, prefix: str, method: str, continuation: dict[str, str]):
-        """Every page of a paginated listing under ``prefix``.
+    async def _pages(self, op: str, prefix: str, method: str, continuation: dict[str, str], folder: bool = True):
+        """Every page of a paginated listing under ``prefix`` (a folder, or any key prefix).
 
         ``continuation`` maps each request parameter to the response field
-        that carries its value for the next page.
+        that carries its value for the next page.  Each page is one request
+        under the retry policy: botocore's paginators cannot resume a listing
+        at the page that failed.
         """
         bucket, path = self._split(prefix.strip("/"))
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": f"{path}/" if path else ""}
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": f"{path}/" if path and folder else path}
         while True:
             resp = await self._call(op, prefix, method, **kwargs)
             yield bucket, resp
@@ -564,10 +772,10 @@ class S3ObjectStore(ObjectStore):
     def list_multipart_uploads(self, prefix: str = "") -> list[MultipartUploadInfo]:
         return self._run(self._list_uploads(prefix))
 
-    async def _list_uploads(self, prefix: str) -> list[MultipartUploadInfo]:
+    async def _list_uploads(self, prefix: str, folder: bool = True) -> list[MultipartUploadInfo]:
         out = []
         continuation = {"KeyMarker": "NextKeyMarker", "UploadIdMarker": "NextUploadIdMarker"}
-        async for bucket, resp in self._pages("LIST-UPLOADS", prefix, "list_multipart_uploads", continuation):
+        async for bucket, resp in self._pages("LIST-UPLOADS", prefix, "list_multipart_uploads", continuation, folder):
             for up in resp.get("Uploads", []):
                 initiated = up.get("Initiated")
                 out.append(
@@ -603,6 +811,12 @@ class S3ObjectStore(ObjectStore):
     def _return_part_buffer(self, buf: bytearray) -> None:
         with self._part_buffers_lock:
             self._part_buffers.append(buf)
+
+
+class _Tries:
+    """How many attempts ``S3ObjectStore._call`` sent for one request."""
+
+    count = 0
 
 
 def _url_to_fs(url: str, options: dict[str, Any]):
@@ -655,10 +869,7 @@ class _MultipartObjectWriter(ObjectWriter):
 
     def _flush_part(self) -> None:
         if self._upload_id is None:
-            resp = self._store._run(
-                self._store._call("CREATE-MPU", self._key, "create_multipart_upload", Bucket=self._bucket, Key=self._path)
-            )
-            self._upload_id = resp["UploadId"]
+            self._upload_id = self._store._run(self._create_upload())
         buf, fill = self._buf, self._fill
         self._buf, self._fill = None, 0
         number = len(self._parts) + 1
@@ -672,7 +883,7 @@ class _MultipartObjectWriter(ObjectWriter):
                 Key=self._path,
                 UploadId=self._upload_id,
                 PartNumber=number,
-                Body=_as_body(memoryview(buf)[:fill]),
+                body=memoryview(buf)[:fill],
             )
         )
 
@@ -702,17 +913,7 @@ class _MultipartObjectWriter(ObjectWriter):
             if self._fill:
                 self._flush_part()
             etags = [f.result()["ETag"] for f in self._parts]
-            self._store._run(
-                self._store._call(
-                    "COMPLETE-MPU",
-                    self._key,
-                    "complete_multipart_upload",
-                    Bucket=self._bucket,
-                    Key=self._path,
-                    UploadId=self._upload_id,
-                    MultipartUpload={"Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]},
-                )
-            )
+            self._store._run(self._complete_upload(etags))
         except BaseException:
             self._abort_upload()
             raise
@@ -720,6 +921,55 @@ class _MultipartObjectWriter(ObjectWriter):
     def abort(self) -> None:
         self._closed = True
         self._abort_upload()
+
+    async def _create_upload(self) -> str:
+        """Start the multipart upload; abort any that a lost response leaked.
+
+        When an attempt's response is lost, S3 may still have created an
+        upload that no one knows the id of.  Shard keys are unique to one
+        save of one rank (see ``ObjectStoreWriter``), so any other open
+        upload of exactly this key is such a leak.
+        """
+        store, tries = self._store, _Tries()
+        resp = await store._call(
+            "CREATE-MPU", self._key, "create_multipart_upload", tries=tries, Bucket=self._bucket, Key=self._path
+        )
+        upload_id = resp["UploadId"]
+        if tries.count > 1:
+            try:
+                for upload in await store._list_uploads(self._key, folder=False):
+                    if upload.key == self._key and upload.upload_id != upload_id:
+                        await store._abort(upload.key, upload.upload_id)
+            except Exception as e:  # noqa: BLE001 - gc reclaims what this misses
+                logger.warning("%s: could not look for leaked multipart uploads: %s", store.url_for(self._key), e)
+        return upload_id
+
+    async def _complete_upload(self, etags: list[str]) -> None:
+        """Complete the upload; after a lost success response, confirm by HEAD.
+
+        A retried CompleteMultipartUpload whose first attempt succeeded is
+        answered ``NoSuchUpload``; the object then exists with our size (the
+        key is ours alone), and that is success, not a missing object.
+        """
+        store, tries = self._store, _Tries()
+        try:
+            await store._call(
+                "COMPLETE-MPU",
+                self._key,
+                "complete_multipart_upload",
+                tries=tries,
+                Bucket=self._bucket,
+                Key=self._path,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]},
+            )
+        except ObjectNotFoundError:
+            if tries.count > 1:
+                head = await store._call("HEAD", self._key, "head_object", Bucket=self._bucket, Key=self._path)
+                if int(head["ContentLength"]) == self._pos:
+                    self._upload_id = None  # completed: nothing to abort
+                    return
+            raise
 
     def _release_current(self) -> None:
         if self._buf is not None:
@@ -755,10 +1005,18 @@ def _error_code(exc: BaseException) -> tuple[str | None, int | None, str]:
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """Throttling, 5xx, connection resets and timeouts are worth another try."""
+    """Throttling, 5xx but 501, connection resets and timeouts are worth another try.
+
+    Decided by S3 error code first (``RequestTimeout`` is a 400, and a
+    ``ConditionalRequestConflict`` 409 asks the client to retry), then by
+    status: 429 and 5xx other than 501 Not Implemented.  Every other 4xx
+    would fail the same way again.
+    """
     code, status, _ = _error_code(exc)
     if code is not None or status is not None:
-        return code in _RETRYABLE_CODES or (status is not None and status >= 500)
+        if code in _RETRYABLE_CODES:
+            return True
+        return status is not None and (status == 429 or (status >= 500 and status != 501))
     if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
         return True
     try:
@@ -781,9 +1039,13 @@ def is_retryable(exc: BaseException) -> bool:
 
 def translate_error(exc: BaseException, url: str) -> BaseException:
     """Turn a store error into the dcpstore exception that names ``url``."""
-    if isinstance(exc, (ObjectNotFoundError, StorageAccessError, CorruptCheckpointError, TransientStorageError)):
+    if isinstance(exc, DcpstoreError):
         return exc
     code, status, message = _error_code(exc)
+    if code == "PreconditionFailed" or status == 412:
+        return ConditionalWriteError(f"{url}: conditional write refused: the object exists or changed ({message})")
+    if code == "NotImplemented" or status == 501:
+        return UnsupportedByStoreError(f"{url}: the server does not implement this request ({code}: {message})")
     if code == "NoSuchBucket":
         bucket = url.split("://", 1)[-1].split("/", 1)[0]
         return BucketNotFoundError(f"{url}: bucket {bucket!r} does not exist")

@@ -47,7 +47,7 @@ from torch.futures import Future
 
 from . import planner_data
 from .errors import CheckpointExistsError
-from .storage import ObjectStore, ObjectWriter, TransferConfig, open_store
+from .storage import ObjectStore, ObjectWriter, TransferConfig, is_store_url, normalize_url, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class ObjectStoreWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.url = str(checkpoint_id).rstrip("/")
+            self.url = normalize_url(checkpoint_id)
             self.store: ObjectStore = open_store(self.url, self.storage_options, self.transfer)
         self.save_id = uuid.uuid4().hex
         self.rank = 0
@@ -305,7 +305,7 @@ class ObjectStoreWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return "://" in str(checkpoint_id)
+        return is_store_url(checkpoint_id)
 
     def close(self) -> None:
         if self._executor is not None:
