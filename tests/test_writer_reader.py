@@ -97,7 +97,7 @@ def test_existing_checkpoint_is_not_overwritten(bucket, s3):
     url = f"s3://{bucket}/ckpt"
     save({"w": torch.ones(4)}, url)
     before = s3.get_object(Bucket=bucket, Key="ckpt/.metadata")["Body"].read()
-    with pytest.raises(BaseException, match=r"a committed checkpoint already exists.*overwrite=True"):
+    with pytest.raises(BaseException, match=r"Checkpoint already exists.*overwrite=True"):
         save({"w": torch.zeros(4)}, url)
     assert s3.get_object(Bucket=bucket, Key="ckpt/.metadata")["Body"].read() == before
     assert torch.equal(load({"w": torch.zeros(4)}, url)["w"], torch.ones(4))
@@ -209,3 +209,91 @@ def test_metadata_unpickles_with_plain_pickle(bucket, s3):
     body = s3.get_object(Bucket=bucket, Key="ckpt/.metadata")["Body"].read()
     assert b"dcpstore" not in body.replace(b"dcpstore/", b"")  # no dcpstore class is referenced
     assert pickle.loads(body).version
+
+
+# -- integrity: per-save shard names, conditional commit, overwrite ------------------------------
+
+
+def _keys(s3, bucket, prefix=""):
+    return sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))
+
+
+def test_reused_overwriting_writer_never_writes_over_a_committed_checkpoint(bucket, s3, proxy):
+    """Three saves through one writer, no checkpoint_id: the third fails mid-upload."""
+    url = f"s3://{bucket}/ckpt"
+    writer = dcpstore.ObjectStoreWriter(url, overwrite=True, storage_options={"endpoint_url": proxy.endpoint})
+    for value in (1.0, 2.0):
+        dcp.save({"w": torch.full((1000,), value)}, storage_writer=writer, no_dist=True)
+    committed = _keys(s3, bucket)
+    proxy.add("PUT", r"\.distcp", status=403, code="AccessDenied")
+    with pytest.raises(BaseException, match="access denied"):
+        dcp.save({"w": torch.full((1000,), 3.0)}, storage_writer=writer, no_dist=True)
+    assert _keys(s3, bucket) == committed  # nothing of the committed step was touched
+    assert torch.equal(load({"w": torch.zeros(1000)}, url)["w"], torch.full((1000,), 2.0))
+
+
+def test_overwrite_never_deletes_nested_checkpoints(bucket, s3):
+    save({"w": torch.ones(4)}, f"s3://{bucket}/run")
+    save({"w": torch.full((4,), 5.0)}, f"s3://{bucket}/run/step_00000001")
+    save({"w": torch.zeros(4)}, f"s3://{bucket}/run", overwrite=True)
+    nested = load({"w": torch.zeros(4)}, f"s3://{bucket}/run/step_00000001")["w"]
+    assert torch.equal(nested, torch.full((4,), 5.0))
+    top = [k for k in _keys(s3, bucket, "run/") if "/" not in k[len("run/") :]]
+    assert len(top) == 2  # .metadata + the new shard; the replaced shard is gone
+
+
+class _RacingWriter(dcpstore.ObjectStoreWriter):
+    """Runs a whole other job's save to the same prefix while this one uploads."""
+
+    def __init__(self, url, rival, **kwargs):
+        super().__init__(url, **kwargs)
+        self.rival = rival
+
+    def write_data(self, plan, planner):
+        if self.rival is not None:
+            self.rival()
+            self.rival = None
+        return super().write_data(plan, planner)
+
+
+def test_two_jobs_on_one_prefix_exactly_one_commits(bucket, s3):
+    url = f"s3://{bucket}/ckpt"
+    rival = lambda: save({"w": torch.full((100,), 9.0)}, url)  # noqa: E731
+    rival_keys = []
+
+    def rival_and_record():
+        rival()
+        rival_keys.extend(_keys(s3, bucket))
+
+    writer = _RacingWriter(url, rival_and_record)
+    with pytest.raises(BaseException, match=r"ckpt/\.metadata: Checkpoint already exists"):
+        dcp.save({"w": torch.full((100,), 1.0)}, storage_writer=writer, no_dist=True)
+    assert torch.equal(load({"w": torch.zeros(100)}, url)["w"], torch.full((100,), 9.0))
+    assert _keys(s3, bucket) == rival_keys  # the loser deleted the shards it wrote
+
+
+def test_overwrite_does_not_replace_a_commit_it_has_not_seen(bucket, s3):
+    url = f"s3://{bucket}/ckpt"
+    save({"w": torch.ones(10)}, url)
+    rival = lambda: save({"w": torch.full((10,), 9.0)}, url, overwrite=True)  # noqa: E731
+    writer = _RacingWriter(url, rival, overwrite=True)
+    with pytest.raises(BaseException, match="changed since this save read it"):
+        dcp.save({"w": torch.full((10,), 2.0)}, storage_writer=writer, no_dist=True)
+    assert torch.equal(load({"w": torch.zeros(10)}, url)["w"], torch.full((10,), 9.0))
+    assert len(_keys(s3, bucket)) == 2  # the rival's .metadata and shard
+
+
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_two_jobs_on_one_local_prefix(scheme, tmp_path):
+    url = f"file://{tmp_path}/ckpt" if scheme == "file" else f"memory://dcpstore-race-{tmp_path.name}/ckpt"
+    writer = _RacingWriter(url, lambda: save({"w": torch.full((10,), 9.0)}, url))
+    with pytest.raises(BaseException, match="Checkpoint already exists"):
+        dcp.save({"w": torch.ones(10)}, storage_writer=writer, no_dist=True)
+    assert torch.equal(load({"w": torch.zeros(10)}, url)["w"], torch.full((10,), 9.0))
+
+
+def test_missing_bucket_on_multipart_save_is_named(moto_endpoint):
+    big = {"w": torch.zeros(6 << 20, dtype=torch.uint8)}  # above one 5 MiB part
+    transfer = dcpstore.TransferConfig(part_size=5 << 20)
+    with pytest.raises(BaseException, match="bucket 'no-such-bucket-z' does not exist"):
+        save(big, "s3://no-such-bucket-z/ckpt", transfer=transfer)

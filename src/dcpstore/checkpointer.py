@@ -41,12 +41,12 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CheckpointSaveError, CheckpointTimeoutError
-from .layout import committed_steps, step_prefix
+from .layout import METADATA_KEY, committed_steps, step_prefix
 from .plan_cache import CachedPlan, PlanCache
 from .reader import ObjectStoreReader, check_state_dict
 from .staging import StagedItems, StagingPool
 from .storage import TransferConfig, normalize_url, open_store
-from .writer import METADATA_KEY, ObjectStoreWriter
+from .writer import ObjectStoreWriter
 
 logger = logging.getLogger(__name__)
 

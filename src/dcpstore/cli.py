@@ -23,10 +23,9 @@ from tqdm import tqdm
 
 from . import planner_data
 from .errors import DcpstoreError
-from .layout import list_steps, step_prefix
+from .layout import METADATA_KEY, list_steps, step_prefix
 from .reader import read_metadata
 from .storage import ObjectStore, open_store
-from .writer import METADATA_KEY
 
 
 def _size(n: float) -> str:

@@ -11,7 +11,8 @@ import dataclasses
 import re
 
 from .storage import ObjectStore
-from .writer import METADATA_KEY
+
+METADATA_KEY = ".metadata"  # a DCP checkpoint exists exactly when this object does
 
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 

@@ -36,8 +36,8 @@ from .errors import (
     ObjectNotFoundError,
     StateDictMismatchError,
 )
+from .layout import METADATA_KEY
 from .storage import ObjectStore, TransferConfig, is_store_url, normalize_url, open_store
-from .writer import METADATA_KEY
 
 
 class ObjectStoreReader(StorageReader):
@@ -183,12 +183,17 @@ def read_metadata(store: ObjectStore) -> Metadata:
         raise CheckpointNotFoundError(
             f"{store.url_for(METADATA_KEY)}: no metadata object: incomplete or missing checkpoint"
         ) from None
+    return parse_metadata(raw, store.url_for(METADATA_KEY))
+
+
+def parse_metadata(raw: bytes, url: str) -> Metadata:
+    """``Metadata`` from the bytes of the ``.metadata`` object at ``url``."""
     try:
         metadata = pickle.loads(raw)
     except Exception as e:  # noqa: BLE001
-        raise CorruptCheckpointError(f"{store.url_for(METADATA_KEY)}: cannot unpickle the metadata ({e})") from e
+        raise CorruptCheckpointError(f"{url}: cannot unpickle the metadata ({e})") from e
     if not isinstance(metadata, Metadata):
-        raise CorruptCheckpointError(f"{store.url_for(METADATA_KEY)}: holds a {type(metadata).__name__}, not Metadata")
+        raise CorruptCheckpointError(f"{url}: holds a {type(metadata).__name__}, not Metadata")
     user, extras = planner_data.split(metadata.planner_data)
     if user is not metadata.planner_data:
         # The user's planner stored a non-dict: give it back as it was.

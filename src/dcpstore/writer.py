@@ -1,15 +1,27 @@
 """``ObjectStoreWriter``: a DCP ``StorageWriter`` for any fsspec URL, S3 first.
 
 Layout is torch's standard one, so stock ``FsspecReader`` loads it: each rank
-writes shard objects ``__{rank}_{n}.distcp`` holding its items back to back
-(tensors as ``torch.save`` archives, bytes items raw), ``storage_data`` maps
-every ``MetadataIndex`` to a ``_StorageInfo(relative_path, offset, length)``,
-and the coordinator writes the pickled ``Metadata`` as ``.metadata``.
+writes shard objects holding its items back to back (tensors as
+``torch.save`` archives, bytes items raw), ``storage_data`` maps every
+``MetadataIndex`` to a ``_StorageInfo(relative_path, offset, length)``, and
+the coordinator writes the pickled ``Metadata`` as ``.metadata``.
 
-Commit protocol: ``.metadata`` is written by ``finish()`` only, as one PUT,
-and DCP calls ``finish()`` only after every rank's ``write_data`` succeeded.
-A prefix without ``.metadata`` is not a checkpoint, so a crash at any moment
-leaves either the previous state or the new, complete one.
+Shard names are new on every save: ``__{rank}_{generation}_{n}.distcp``,
+with a generation each rank draws for itself in ``write_data``.  No save ever
+writes over bytes that a committed ``.metadata`` references, whether the
+writer is reused, the prefix is overwritten, or another job (a zombie, a
+mistyped run name) saves to the same prefix at the same time.
+
+Commit protocol: ``.metadata`` is written by ``finish()`` only, as one
+conditional PUT, and DCP calls ``finish()`` only after every rank's
+``write_data`` succeeded.  A prefix without ``.metadata`` is not a
+checkpoint, so a crash at any moment leaves either the previous state or the
+new, complete one.  A new checkpoint is committed with ``If-None-Match: *``:
+of two jobs racing for one prefix exactly one commits, the other gets
+``CheckpointExistsError`` and deletes the shards it wrote.  An overwrite is
+committed with ``If-Match`` on the ETag of the ``.metadata`` read at planning
+time, so it never replaces a commit it has not seen, and afterwards deletes
+exactly the shards the replaced ``.metadata`` referenced: it never lists.
 
 Plans: every rank's local plan rides to the coordinator inside its
 ``SavePlan.storage_data`` (set in ``prepare_local_plan``).  The planner's
@@ -46,12 +58,12 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import planner_data
-from .errors import CheckpointExistsError
+from .errors import CheckpointExistsError, ConditionalWriteError, ObjectNotFoundError
+from .layout import METADATA_KEY
+from .reader import parse_metadata
 from .storage import ObjectStore, ObjectWriter, TransferConfig, is_store_url, normalize_url, open_store
 
 logger = logging.getLogger(__name__)
-
-METADATA_KEY = ".metadata"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,16 +83,34 @@ class ChecksummedWriteResult(WriteResult):
     crc32: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Replaced:
+    """The committed checkpoint an overwrite replaces, as read at planning time."""
+
+    etag: str | None
+    paths: frozenset[str]  # the shard objects its .metadata references
+
+
 class _ChecksummingStream:
-    """Counts and checksums what ``torch.save`` writes, item by item."""
+    """Counts and checksums what ``torch.save`` writes, item by item.
+
+    ``torch.save`` reports a failed ``write`` only as "unexpected pos", so
+    the stream keeps the real error (a missing bucket, a refused upload) for
+    ``write_items`` to raise instead.
+    """
 
     def __init__(self, inner: ObjectWriter):
         self._inner = inner
         self.crc = 0
+        self.error: BaseException | None = None
 
     def write(self, data) -> int:
         self.crc = zlib.crc32(data, self.crc)  # releases the GIL on large buffers
-        return self._inner.write(data)
+        try:
+            return self._inner.write(data)
+        except BaseException as e:
+            self.error = e
+            raise
 
     def tell(self) -> int:
         return self._inner.tell()
@@ -119,10 +149,15 @@ def write_items(
         data = planner.resolve_data(item)
         offset = stream.tell()
         checked.crc = 0
-        if item.type == WriteItemType.BYTE_IO:
-            checked.write(data.getbuffer())
-        else:
-            torch.save(_cpu_tensor(data), checked)
+        try:
+            if item.type == WriteItemType.BYTE_IO:
+                checked.write(data.getbuffer())
+            else:
+                torch.save(_cpu_tensor(data), checked)
+        except Exception:
+            if checked.error is not None:
+                raise checked.error from None
+            raise
         length = stream.tell() - offset
         results.append(
             ChecksummedWriteResult(
@@ -143,9 +178,9 @@ class ObjectStoreWriter(StorageWriter):
         storage_options: passed to fsspec (for S3: s3fs options such as
             ``endpoint_url``, ``key``, ``secret``, ``profile``).  Kept across
             ``reset``.  The endpoint also comes from ``AWS_ENDPOINT_URL``.
-        overwrite: allow saving over a committed checkpoint.  The new shards
-            get fresh names and the old ones are deleted only after the new
-            ``.metadata`` is committed, so a failed overwrite loses nothing.
+        overwrite: allow saving over a committed checkpoint.  The old shards
+            are deleted only after the new ``.metadata`` is committed, so a
+            failed overwrite loses nothing.
         objects_per_rank: shard objects per rank, uploaded concurrently.
         transfer: part size, concurrency, timeouts and retries.
         checksums: record a crc32 per item, checked on load.
@@ -182,7 +217,7 @@ class ObjectStoreWriter(StorageWriter):
         self.rank = 0
         self.is_coordinator = True
         self.all_local_plans: list[SavePlan] | None = None
-        self._replacing = False
+        self._replaced: _Replaced | None = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -206,23 +241,31 @@ class ObjectStoreWriter(StorageWriter):
         """Refuse to save over a committed checkpoint unless ``overwrite``; True if one is there."""
         committed = self.store.exists(METADATA_KEY)
         if committed and not self.overwrite:
-            raise CheckpointExistsError(
-                f"{self.store.url_for(METADATA_KEY)}: a committed checkpoint already exists here; "
-                "pass overwrite=True to replace it"
-            )
+            raise self._exists_error()
         return committed
+
+    def _exists_error(self) -> CheckpointExistsError:
+        # torch's writers say "Checkpoint already exists"; code that matches that text keeps working.
+        return CheckpointExistsError(
+            f"{self.store.url_for(METADATA_KEY)}: Checkpoint already exists (a committed checkpoint is here) "
+            "and overwrite=False; pass overwrite=True to replace it"
+        )
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         carried = [p.storage_data.plan if isinstance(p.storage_data, _LocalPlanCarrier) else None for p in plans]
         self.remember_local_plans(carried)
-        self._replacing = self.overwrite and self.store.exists(METADATA_KEY)
-        # Over a committed checkpoint, new shards get names of their own so the
-        # old checkpoint stays whole until the new .metadata replaces it.
-        generation = f"{self.save_id[:8]}_" if self._replacing else ""
-        return [
-            dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{rank}_{generation}"))
-            for rank, plan in enumerate(plans)
-        ]
+        if self.overwrite:
+            self._replaced = self._read_replaced()
+        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{rank}_")) for rank, plan in enumerate(plans)]
+
+    def _read_replaced(self) -> _Replaced | None:
+        """The committed checkpoint this save would replace, or ``None``."""
+        try:
+            raw, etag = self.store.get_with_etag(METADATA_KEY)
+        except ObjectNotFoundError:
+            return None
+        old = parse_metadata(raw, self.store.url_for(METADATA_KEY))
+        return _Replaced(etag, frozenset(info.relative_path for info in (old.storage_data or {}).values()))
 
     def remember_local_plans(self, plans: list[SavePlan | None]) -> None:
         """The local plans ``finish()`` persists; ``None`` entries mean unknown."""
@@ -237,9 +280,12 @@ class ObjectStoreWriter(StorageWriter):
             )
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        prefix: _StoragePrefix = plan.storage_data
+        # A cached final plan (torch's plan caching) may carry any earlier
+        # prefix; only the rank part of it is used.
+        prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{self.rank}_"
+        generation = uuid.uuid4().hex[:16]
         buckets = [b for b in _split_by_size_and_type(self.objects_per_rank, list(plan.items)) if b]
-        names = [f"{prefix.prefix}{n}{DEFAULT_SUFFIX}" for n in range(len(buckets))]
+        names = [f"{prefix}{generation}_{n}{DEFAULT_SUFFIX}" for n in range(len(buckets))]
 
         def upload(name: str, items: list[WriteItem]) -> list[ChecksummedWriteResult]:
             with self.store.open_writer(name) as stream:
@@ -286,15 +332,43 @@ class ObjectStoreWriter(StorageWriter):
         # split() first: a reused (cached) Metadata already carries last save's extras.
         user_planner_data, _ = planner_data.split(metadata.planner_data)
         metadata.planner_data = planner_data.embed(user_planner_data, extras)
-        self.store.put(METADATA_KEY, pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL))
-        if self._replacing:
-            self._delete_replaced_shards(storage_data)
+        self.commit(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), storage_data)
 
-    def _delete_replaced_shards(self, storage_data: dict) -> None:
-        live = {info.relative_path for info in storage_data.values()}
-        stale = [o.key for o in self.store.list() if o.key.endswith(DEFAULT_SUFFIX) and o.key not in live]
-        if stale:
-            self.store.delete(stale)
+    def commit(self, raw_metadata: bytes, storage_data: dict) -> None:
+        """Write ``.metadata``: the one conditional PUT that makes the checkpoint exist.
+
+        Refused (``CheckpointExistsError``) when another writer committed
+        first; the shards of this save are then deleted, since nothing
+        references them.  After an overwrite, the replaced checkpoint's
+        shards are deleted.
+        """
+        new_paths = {info.relative_path for info in storage_data.values()}
+        if self.overwrite and self._replaced is None:
+            self._replaced = self._read_replaced()  # planning ran elsewhere (e.g. a cached plan)
+        replaced = self._replaced
+        try:
+            if replaced is not None:
+                self.store.put(METADATA_KEY, raw_metadata, if_match=replaced.etag)
+            else:
+                self.store.put(METADATA_KEY, raw_metadata, if_none_match=True)
+        except ConditionalWriteError as e:
+            self._delete_quietly(new_paths, "shards of the refused commit")
+            if replaced is None:
+                raise self._exists_error() from e
+            raise CheckpointExistsError(
+                f"{self.store.url_for(METADATA_KEY)}: Checkpoint already exists and changed since this save "
+                f"read it (another job committed in between); this save was not committed ({e})"
+            ) from e
+        if replaced is not None:
+            self._delete_quietly(replaced.paths - new_paths, "shards of the replaced checkpoint")
+
+    def _delete_quietly(self, keys: set[str], what: str) -> None:
+        if not keys:
+            return
+        try:
+            self.store.delete(sorted(keys))
+        except Exception as e:  # noqa: BLE001 - orphans cost space, not correctness; gc reclaims them
+            logger.warning("%s: could not delete %d %s: %s", self.url, len(keys), what, e)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
