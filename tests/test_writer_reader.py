@@ -115,7 +115,7 @@ def test_overwrite_replaces_only_after_commit(bucket, s3, proxy):
     save({"w": torch.full((4,), 7.0)}, url, overwrite=True)
     assert torch.equal(load({"w": torch.zeros(4)}, url)["w"], torch.full((4,), 7.0))
     keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]]
-    assert not object_exists(s3, bucket, "ckpt/__0_0.distcp")  # old shards are gone
+    assert keys[0] == "ckpt/.metadata"
     assert len(keys) == 2  # .metadata + one new shard
 
 

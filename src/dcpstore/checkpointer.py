@@ -10,9 +10,19 @@ background thread per checkpointer, in the same order on every rank:
    planning);
 2. upload: the rank's shard objects, through the store's multipart path;
 3. commit: write results are gathered on the coordinator, which writes
-   ``.metadata`` as the last object only if every rank succeeded, then tells
-   every rank the outcome.  A failure anywhere leaves no ``.metadata``, and
-   every rank raises ``CheckpointSaveError`` from ``maybe_finalize``/``wait``.
+   ``.metadata`` as the last object (conditionally: see ``ObjectStoreWriter``)
+   only if every rank succeeded, then tells every rank the outcome.  A
+   failure anywhere leaves no ``.metadata``, and every rank raises
+   ``CheckpointSaveError`` from ``maybe_finalize``/``wait``.
+
+One outcome on every rank: when a collective of the commit fails (a peer
+died or timed out), the coordinator may or may not have written
+``.metadata``, so each surviving rank asks storage instead: a ``.metadata``
+that references this rank's shards means committed (a warning says a peer
+died), anything else means ``CheckpointSaveError``.  Errors that happen
+before the first collective (staging, a storage check) travel through the
+same all-reduced failure flag as planning does, so peers raise within
+seconds and the group's collectives stay in step for the next save.
 
 Collectives run on a gloo group of the checkpointer's own (created from the
 default group, or passed in), so they never interleave with the training
@@ -27,7 +37,6 @@ import concurrent.futures
 import dataclasses
 import datetime
 import logging
-import threading
 import time
 import warnings
 from typing import Any, Callable
@@ -69,8 +78,11 @@ class SaveStats:
 class SaveHandle:
     """A pending save.  ``result()`` blocks until committed and returns its stats."""
 
-    def __init__(self, step: int, url: str, future: concurrent.futures.Future, stats: SaveStats):
+    def __init__(
+        self, step: int, url: str, future: concurrent.futures.Future, stats: SaveStats, pool: StagingPool | None = None
+    ):
         self.step, self.url, self._future, self.stats = step, url, future, stats
+        self._pool = pool  # the staging pool the save reads from until it is done
 
     def done(self) -> bool:
         return self._future.done()
@@ -147,10 +159,11 @@ class _Failure:
 class _SaveJob:
     step: int
     url: str
-    planner: SavePlanner
-    local_plan: SavePlan
-    staged: StagedItems
+    planner: SavePlanner | None
+    local_plan: SavePlan | None
+    staged: StagedItems | None
     stats: SaveStats
+    error: BaseException | None = None  # staging failed: the job only tells the peers
 
 
 class AsyncCheckpointer:
@@ -213,10 +226,8 @@ class AsyncCheckpointer:
             self.root, storage_options=self.storage_options, transfer=self.transfer, objects_per_rank=objects_per_rank
         )
         self._pools = [StagingPool(pin_memory) for _ in range(max_in_flight)]
-        self._next_pool = 0
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpstore-save")
         self._pending: list[SaveHandle] = []
-        self._lock = threading.Lock()
         self.last_stats: SaveStats | None = None
         self._closed = False
 
@@ -234,7 +245,12 @@ class AsyncCheckpointer:
     # -- saving ---------------------------------------------------------------------
 
     def save(self, state_dict: dict[str, Any], step: int) -> SaveHandle:
-        """Stage ``state_dict`` and return; upload and commit continue in the background."""
+        """Stage ``state_dict`` and return; upload and commit continue in the background.
+
+        If staging fails here, the error is raised on this rank and the
+        peers' saves of this step fail within seconds (``CheckpointSaveError``
+        naming this rank), so every rank stays in step for the next save.
+        """
         if self._closed:
             raise RuntimeError("AsyncCheckpointer is closed")
         while len(self._pending) >= self.max_in_flight:
@@ -242,20 +258,38 @@ class AsyncCheckpointer:
         t0 = time.perf_counter()
         stats = SaveStats(step=step)
         url = self.step_url(step)
-        state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-        planner = self.planner_factory()
-        planner.set_up_planner(state_dict=state_dict, storage_meta=None, is_coordinator=self._coll.is_coordinator)
-        local_plan = planner.create_local_plan()
-        pool = self._pools[self._next_pool]
-        self._next_pool = (self._next_pool + 1) % len(self._pools)
-        staged = pool.stage(list(local_plan.items), planner)
+        # A pool no pending save still uploads from (there is one: see the wait above).
+        busy = [h._pool for h in self._pending]
+        pool = next(p for p in self._pools if all(p is not b for b in busy))
+        try:
+            state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+            planner = self.planner_factory()
+            planner.set_up_planner(state_dict=state_dict, storage_meta=None, is_coordinator=self._coll.is_coordinator)
+            local_plan = self._usable_local_plan(planner)
+            staged = pool.stage(list(local_plan.items), planner)
+        except Exception as e:
+            self._executor.submit(self._run, _SaveJob(step, url, None, None, None, stats, error=e))
+            raise
         stats.staged_bytes = staged.nbytes
         job = _SaveJob(step, url, planner, local_plan, staged, stats)
         future = self._executor.submit(self._run, job)
         stats.blocking_s = time.perf_counter() - t0
-        handle = SaveHandle(step, url, future, stats)
+        handle = SaveHandle(step, url, future, stats, pool)
         self._pending.append(handle)
         return handle
+
+    @staticmethod
+    def _usable_local_plan(planner: SavePlanner) -> SavePlan:
+        """The planner's local plan, also from a planner with torch's own plan caching.
+
+        ``DefaultSavePlanner(enable_plan_caching=True)`` returns an empty,
+        ``usable=False`` plan when nothing changed and keeps the real one in
+        ``planner.plan``; the checkpointer caches plans itself and needs it.
+        """
+        plan = planner.create_local_plan()
+        if not getattr(plan, "usable", True):
+            plan = planner.plan
+        return plan
 
     def maybe_finalize(self) -> list[int]:
         """Collect saves that finished, without blocking; returns the steps committed.
@@ -301,18 +335,21 @@ class AsyncCheckpointer:
             raise CheckpointSaveError(job.url, {self.rank: _describe(e)}) from e
 
     def _run_phases(self, job: _SaveJob) -> SaveStats:
-        job.staged.wait_ready()
         writer = self._writer
-        writer.reset(job.url)
-        writer.set_up_storage_writer(self._coll.is_coordinator, rank=self.rank)
-
         t0 = time.perf_counter()
-        error = None
-        try:
-            if self.store.exists(f"{step_prefix(job.step)}/{METADATA_KEY}"):
-                raise CheckpointExistsError(f"{job.url}: step {job.step} is already committed; steps are never overwritten")
-        except Exception as e:  # noqa: BLE001 - must still join the collective below
-            error = e
+        error = job.error
+        if error is None:
+            try:
+                job.staged.wait_ready()
+                writer.reset(job.url)
+                writer.set_up_storage_writer(self._coll.is_coordinator, rank=self.rank)
+                # An early, friendly refusal; the conditional commit is what guarantees it.
+                if self.store.exists(f"{step_prefix(job.step)}/{METADATA_KEY}"):
+                    raise CheckpointExistsError(
+                        f"{job.url}: Checkpoint already exists: step {job.step} is already committed; steps are never overwritten"
+                    )
+            except Exception as e:  # noqa: BLE001 - must still join the collective below
+                error = e
         cached = self.plan_cache.lookup(job.local_plan, self.world_size) if error is None else None
         reuse, all_ok = self._coll.all_min([int(cached is not None), int(error is None)])
         if not all_ok:
@@ -368,24 +405,54 @@ class AsyncCheckpointer:
         return central_plan, metadata
 
     def _commit(self, job: _SaveJob, writer: ObjectStoreWriter, metadata, results, error) -> None:
-        gathered = self._coll.gather(_Failure(_describe(error)) if error is not None else results)
         outcome: dict[int, str] | None = None
+        gather_error = None
+        try:
+            gathered = self._coll.gather(_Failure(_describe(error)) if error is not None else results)
+        except Exception as e:  # noqa: BLE001 - a peer died; the broadcast below still tells the rest
+            gather_error = e
         if self._coll.is_coordinator:
-            failures = {r: g.message for r, g in enumerate(gathered) if isinstance(g, _Failure)}
-            if not failures:
-                try:
-                    writer.finish(metadata, gathered)
-                except Exception as e:  # noqa: BLE001
-                    failures[self.rank] = f"writing .metadata failed: {_describe(e)}"
-            outcome = failures or None
-        outcome = self._coll.broadcast(outcome)
+            if gather_error is not None:
+                outcome = {self.rank: f"collecting the ranks' write results failed: {_describe(gather_error)}"}
+            else:
+                outcome = {r: g.message for r, g in enumerate(gathered) if isinstance(g, _Failure)}
+                if not outcome:
+                    try:
+                        writer.finish(metadata, gathered)
+                    except Exception as e:  # noqa: BLE001
+                        outcome[self.rank] = f"writing .metadata failed: {_describe(e)}"
+            outcome = outcome or None
+        try:
+            outcome = self._coll.broadcast(outcome)
+        except Exception as e:  # noqa: BLE001 - decided by storage below
+            if error is None and self._committed_in_storage(job, results):
+                logger.warning(
+                    "%s: step %d is committed, but a peer rank failed around the commit (%s)", job.url, job.step, e
+                )
+                outcome = None
+            else:
+                raise CheckpointSaveError(job.url, {self.rank: f"commit outcome unknown, and no .metadata references this rank's shards: {_describe(e)}"}) from e
         if outcome:
+            if results:  # the coordinator decided not to commit: these shards are garbage
+                writer.delete_shards(results)
             raise CheckpointSaveError(job.url, outcome) from error
         if self._coll.is_coordinator and self.keep_last is not None:
             try:
                 self._prune()
             except Exception as e:  # noqa: BLE001 - the step is committed; pruning is best effort
                 logger.warning("%s: keep_last=%d pruning failed: %s", self.root, self.keep_last, e)
+
+    def _committed_in_storage(self, job: _SaveJob, results) -> bool:
+        """Whether step ``job.step`` is committed with this rank's shards in it."""
+        try:
+            metadata = ObjectStoreReader(job.url, storage_options=self.storage_options, transfer=self.transfer).read_metadata()
+        except CheckpointNotFoundError:
+            return False
+        stored = metadata.storage_data or {}
+        return all(
+            (info := stored.get(r.index)) is not None and info.relative_path == r.storage_data.relative_path
+            for r in results or []
+        )
 
     def _raise_everywhere(self, url: str, error: BaseException | None) -> None:
         messages = self._coll.all_gather(_describe(error) if error is not None else None)
@@ -407,7 +474,12 @@ class AsyncCheckpointer:
         return committed_steps(self.store)
 
     def latest_step(self) -> int | None:
-        """The newest committed step under the root, or ``None``; agreed on by all ranks."""
+        """The newest committed step under the root, or ``None``; agreed on by all ranks.
+
+        Waits for pending saves first (raising their errors): their
+        collectives must not interleave with this one.
+        """
+        self.wait()
         steps = committed_steps(self.store) if self._coll.is_coordinator else None
         steps = self._coll.broadcast(steps)
         return steps[-1] if steps else None
@@ -417,7 +489,9 @@ class AsyncCheckpointer:
 
         Also primes the plan cache from the checkpoint, so the next ``save``
         of the same structure runs no planning collective.  Returns the step.
+        Waits for pending saves first (raising their errors).
         """
+        self.wait()
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -436,7 +510,7 @@ class AsyncCheckpointer:
             rank=self.rank,
             world_size=self.world_size,
             planner=self.planner_factory(),
-            writer=self._writer,
+            writer=ObjectStoreWriter(url, storage_options=self.storage_options, transfer=self.transfer),
         )
         return step
 

@@ -362,6 +362,10 @@ class ObjectStoreWriter(StorageWriter):
         if replaced is not None:
             self._delete_quietly(replaced.paths - new_paths, "shards of the replaced checkpoint")
 
+    def delete_shards(self, results: list[WriteResult]) -> None:
+        """Delete the shard objects of a save that was not committed (best effort)."""
+        self._delete_quietly({r.storage_data.relative_path for r in results}, "shards of an uncommitted save")
+
     def _delete_quietly(self, keys: set[str], what: str) -> None:
         if not keys:
             return
