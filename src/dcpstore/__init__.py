@@ -19,6 +19,7 @@ from .errors import (
     StateDictMismatchError,
     StorageAccessError,
     TransientStorageError,
+    UnsafeCheckpointError,
 )
 from .plan_cache import PlanCache
 from .planner_data import ALL_LOCAL_PLANS_KEY, read_checksums, read_plans
@@ -47,6 +48,7 @@ __all__ = [
     "StorageAccessError",
     "TransferConfig",
     "TransientStorageError",
+    "UnsafeCheckpointError",
     "open_store",
     "read_checksums",
     "read_plans",
