@@ -182,7 +182,7 @@ class _AllowListUnpickler(pickle._Unpickler):
         if id(type(inst)) not in self._buildable:
             raise UnsafeCheckpointError(
                 f"{self._url}: refusing to restore state into {_describe(inst)}: "
-                "a pickle may only fill in objects of allowed classes that it created"
+                "a pickle may only fill in instances of allowed classes, never shared objects"
             )
         super().load_build()
 
