@@ -116,3 +116,46 @@ resource "aws_iam_instance_profile" "training" {
   role  = aws_iam_role.training[0].name
   tags  = var.tags
 }
+
+# Read-only access for evaluation jobs and operators (dcpstore ls / inspect /
+# verify): whoever holds it cannot plant objects in checkpoints others load.
+# ListBucketMultipartUploads is read-only too; `dcpstore ls` shows open uploads.
+data "aws_iam_policy_document" "read_only" {
+  statement {
+    sid       = "ReadCheckpointObjects"
+    actions   = ["s3:GetObject"]
+    resources = ["${local.prefix_arn}/*"]
+  }
+
+  statement {
+    sid = "ListCheckpointPrefixReadOnly"
+    actions = [
+      "s3:ListBucket",
+      "s3:ListBucketMultipartUploads",
+    ]
+    resources = [aws_s3_bucket.this.arn]
+
+    condition {
+      test     = "StringLike"
+      variable = "s3:prefix"
+      values   = [var.checkpoint_prefix, "${var.checkpoint_prefix}/*"]
+    }
+  }
+
+  dynamic "statement" {
+    for_each = var.kms_key_arn == null ? [] : [var.kms_key_arn]
+    content {
+      sid       = "CheckpointKmsKeyDecrypt"
+      actions   = ["kms:Decrypt"]
+      resources = [statement.value]
+    }
+  }
+}
+
+resource "aws_iam_policy" "read_only" {
+  count       = var.create_read_only_policy ? 1 : 0
+  name        = "${var.role_name}-checkpoints-read-only"
+  description = "dcpstore read-only checkpoint access to s3://${var.bucket_name}/${var.checkpoint_prefix}/"
+  policy      = data.aws_iam_policy_document.read_only.json
+  tags        = var.tags
+}

@@ -13,6 +13,16 @@ output "policy_json" {
   value       = data.aws_iam_policy_document.checkpoint_access.json
 }
 
+output "read_only_policy_json" {
+  description = "IAM policy document that can only read the checkpoints: for evaluation jobs and operators."
+  value       = data.aws_iam_policy_document.read_only.json
+}
+
+output "read_only_policy_arn" {
+  description = "ARN of the read-only managed policy, or null when create_read_only_policy is false."
+  value       = var.create_read_only_policy ? aws_iam_policy.read_only[0].arn : null
+}
+
 output "role_arn" {
   description = "ARN of the training role, or null when create_role is false."
   value       = var.create_role ? aws_iam_role.training[0].arn : null

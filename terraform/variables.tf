@@ -93,6 +93,12 @@ variable "create_role" {
   default     = false
 }
 
+variable "create_read_only_policy" {
+  description = "Create a managed IAM policy that can only read the checkpoints (for evaluation jobs and operators)."
+  type        = bool
+  default     = false
+}
+
 variable "role_trust" {
   description = "Who may assume the role: \"ec2\", \"eks_irsa\" or \"sagemaker\"."
   type        = string

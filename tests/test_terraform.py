@@ -81,12 +81,7 @@ def test_encryption_and_ownership():
 
 def test_iam_actions_are_exactly_the_least_privilege_list():
     doc = blocks(parse("iam.tf"), "data", "aws_iam_policy_document")["checkpoint_access"]
-    actions = set()
-    for st in doc["statement"]:
-        actions |= set(unwrap(st["actions"]))
-    for dyn in doc.get("dynamic", []):
-        actions |= set(unwrap(unwrap(dyn["statement"]["content"])["actions"]))
-    assert actions == {
+    assert _actions(doc) == {
         "s3:PutObject",
         "s3:GetObject",
         "s3:DeleteObject",
@@ -99,6 +94,33 @@ def test_iam_actions_are_exactly_the_least_privilege_list():
     }
     listing = next(st for st in doc["statement"] if unwrap(st["sid"]) == "ListCheckpointPrefix")
     assert unwrap(unwrap(listing["condition"])["variable"]) == "s3:prefix"
+
+
+def _actions(doc: dict) -> set[str]:
+    """Every action a policy document grants; a one-item list unwraps to a string."""
+    lists = [st["actions"] for st in doc["statement"]]
+    lists += [unwrap(dyn["statement"]["content"])["actions"] for dyn in doc.get("dynamic", [])]
+    actions = set()
+    for value in map(unwrap, lists):
+        actions |= {value} if isinstance(value, str) else set(value)
+    return actions
+
+
+def test_read_only_policy_cannot_write():
+    """Readers (evaluation, operators) get a policy that cannot plant objects others load."""
+    parsed = parse("iam.tf")
+    doc = blocks(parsed, "data", "aws_iam_policy_document")["read_only"]
+    assert _actions(doc) == {"s3:GetObject", "s3:ListBucket", "s3:ListBucketMultipartUploads", "kms:Decrypt"}
+    objects = next(st for st in doc["statement"] if unwrap(st["sid"]) == "ReadCheckpointObjects")
+    assert unwrap(objects["resources"]) == "${local.prefix_arn}/*"
+    listing = next(st for st in doc["statement"] if unwrap(st["sid"]) == "ListCheckpointPrefixReadOnly")
+    assert unwrap(unwrap(listing["condition"])["variable"]) == "s3:prefix"
+    policy = blocks(parsed, "resource", "aws_iam_policy")["read_only"]
+    assert "read_only" in unwrap(policy["policy"])
+    assert unwrap(policy["count"]) == "${var.create_read_only_policy ? 1 : 0}"
+    outputs = {k: v for entry in parse("outputs.tf")["output"] for k, v in entry.items()}
+    assert "read_only" in unwrap(outputs["read_only_policy_json"]["value"])
+    assert "aws_iam_policy.read_only" in unwrap(outputs["read_only_policy_arn"]["value"])
 
 
 def _checkov() -> str | None:

@@ -20,6 +20,7 @@ from .errors import (
     StateDictMismatchError,
     StorageAccessError,
     TransientStorageError,
+    UnsafeCheckpointError,
     UnsupportedByStoreError,
 )
 from .plan_cache import PlanCache
@@ -50,6 +51,7 @@ __all__ = [
     "StorageAccessError",
     "TransferConfig",
     "TransientStorageError",
+    "UnsafeCheckpointError",
     "UnsupportedByStoreError",
     "open_store",
     "read_checksums",

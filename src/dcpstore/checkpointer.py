@@ -484,12 +484,20 @@ class AsyncCheckpointer:
         steps = self._coll.broadcast(steps)
         return steps[-1] if steps else None
 
-    def load(self, state_dict: dict[str, Any], step: int | None = None) -> int:
+    def load(
+        self,
+        state_dict: dict[str, Any],
+        step: int | None = None,
+        *,
+        allow_globals: tuple = (),
+        allow_unsafe_pickle: bool = False,
+    ) -> int:
         """Load ``step`` (default: the latest committed) into ``state_dict`` in place.
 
         Also primes the plan cache from the checkpoint, so the next ``save``
         of the same structure runs no planning collective.  Returns the step.
         Waits for pending saves first (raising their errors).
+        ``allow_globals`` and ``allow_unsafe_pickle``: see ``ObjectStoreReader``.
         """
         self.wait()
         if step is None:
@@ -497,7 +505,13 @@ class AsyncCheckpointer:
             if step is None:
                 raise CheckpointNotFoundError(f"{self.root}: no committed checkpoint to load")
         url = self.step_url(step)
-        reader = ObjectStoreReader(url, storage_options=self.storage_options, transfer=self.transfer)
+        reader = ObjectStoreReader(
+            url,
+            storage_options=self.storage_options,
+            transfer=self.transfer,
+            allow_globals=allow_globals,
+            allow_unsafe_pickle=allow_unsafe_pickle,
+        )
         metadata = reader.read_metadata()
         flat_sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
         check_state_dict(flat_sd, metadata, url)

@@ -5,6 +5,10 @@
     dcpstore verify URI [--deep]             exit 1 on any problem, naming the object
     dcpstore gc s3://bucket/run-7 [--keep-last N] [--grace SECONDS] [--dry-run]
     dcpstore demo                            train, save, kill, resume on an embedded S3
+
+No command runs code from the bucket: ``ls`` only lists objects, and
+``inspect``/``verify`` read ``.metadata`` with the reader's allow-list
+unpickler and validate non-tensor items with torch's weights-only unpickler.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from tqdm import tqdm
 
 from . import planner_data
-from .errors import DcpstoreError
+from .errors import DcpstoreError, UnsafeCheckpointError
 from .layout import METADATA_KEY, list_steps, step_prefix
 from .reader import read_metadata
+from .safe_pickle import check_bytes_item
 from .storage import ObjectStore, open_store
 
 
@@ -40,18 +45,11 @@ def _when(ts: float | None) -> str:
     return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
 
 
-def _world_size(store: ObjectStore) -> int | None:
-    try:
-        plans = planner_data.read_plans(read_metadata(store))
-    except DcpstoreError:
-        return None
-    return len(plans) if plans is not None else None
-
-
 # -- commands -------------------------------------------------------------------------------
 
 
 def cmd_ls(args) -> int:
+    """Steps from the object listing alone: no ``.metadata`` is read (``inspect`` shows world size)."""
     store = open_store(args.root)
     uploads = store.list_multipart_uploads()
     open_by_step: dict[str, int] = {}
@@ -62,12 +60,11 @@ def cmd_ls(args) -> int:
     if not steps and not uploads:
         print(f"no steps under {args.root}")
         return 0
-    print(f"{'STEP':>10}  {'STATUS':<11} {'SIZE':>10} {'OBJECTS':>7} {'WORLD':>5}  {'WRITTEN (UTC)':<19}  OPEN UPLOADS")
+    print(f"{'STEP':>10}  {'STATUS':<11} {'SIZE':>10} {'OBJECTS':>7}  {'WRITTEN (UTC)':<19}  OPEN UPLOADS")
     for s in steps:
         status = "committed" if s.committed and s.prefix not in open_by_step else "incomplete"
-        world = _world_size(store.child(s.prefix)) if s.committed else None
         print(
-            f"{s.step:>10}  {status:<11} {_size(s.size):>10} {s.objects:>7} {world or '-':>5}  "
+            f"{s.step:>10}  {status:<11} {_size(s.size):>10} {s.objects:>7}  "
             f"{_when(s.last_modified):<19}  {open_by_step.get(s.prefix, 0)}"
         )
     return 0
@@ -147,6 +144,11 @@ def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
             want_shape = tuple(chunk.sizes) if chunk is not None else None
             if tensor.dtype != md.properties.dtype or (want_shape is not None and tuple(tensor.shape) != want_shape):
                 problems.append(f"{where}: holds {tensor.dtype} {tuple(tensor.shape)}, metadata says {md.properties.dtype} {want_shape}")
+        elif isinstance(md, BytesStorageMetadata):
+            try:
+                check_bytes_item(raw, where)
+            except UnsafeCheckpointError as e:
+                problems.append(str(e))
     return problems
 
 
@@ -219,7 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", help="check that every object and byte range the metadata names exists")
     p.add_argument("uri", help="checkpoint prefix")
-    p.add_argument("--deep", action="store_true", help="also read every item back and check checksum, shape and dtype")
+    p.add_argument("--deep", action="store_true",
+                   help="also read every item back: checksum, tensor shape and dtype, and that non-tensor "
+                        "items pass torch.load(weights_only=True)")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("gc", help="delete incomplete steps and stale uploads; optionally prune old steps")

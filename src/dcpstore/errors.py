@@ -8,6 +8,8 @@ Messages always name the object (URL) and the cause.
 
 from __future__ import annotations
 
+import pickle
+
 
 class DcpstoreError(Exception):
     """Base class of every error raised by dcpstore."""
@@ -35,6 +37,15 @@ class ConditionalWriteError(DcpstoreError, FileExistsError):
 
 class CorruptCheckpointError(DcpstoreError, ValueError):
     """A shard object is truncated, or its bytes do not match their checksum."""
+
+
+class UnsafeCheckpointError(DcpstoreError, pickle.UnpicklingError):
+    """Something read from the checkpoint would run code if deserialized, and was refused.
+
+    Raised for a ``.metadata`` pickle that names a global outside the
+    allow-list, and for a non-tensor item that ``torch.load(weights_only=True)``
+    refuses; the message names the object, the item and the global.
+    """
 
 
 class StateDictMismatchError(DcpstoreError, ValueError):

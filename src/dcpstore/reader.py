@@ -5,6 +5,12 @@ item, split further for large items), keeps a bounded window of them in
 flight, and hands them to the planner in plan order on the calling thread,
 because DCP planners are not required to be thread-safe.  Items recorded with
 a crc32 (see ``planner_data``) are checked before they are deserialized.
+
+Nothing read from the bucket runs code here (see ``safe_pickle``): ``.metadata``
+is unpickled with an allow-list, every non-tensor item is validated with
+torch's weights-only unpickler before any planner sees it, and every key the
+metadata names must lie below the checkpoint prefix.  A checksum does not
+authenticate anything: whoever can rewrite an item can rewrite its checksum.
 """
 
 from __future__ import annotations
@@ -12,10 +18,9 @@ from __future__ import annotations
 import collections
 import io
 import os
-import pickle
 import uuid
 import zlib
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -35,8 +40,10 @@ from .errors import (
     CorruptCheckpointError,
     ObjectNotFoundError,
     StateDictMismatchError,
+    UnsafeCheckpointError,
 )
 from .layout import METADATA_KEY
+from .safe_pickle import check_bytes_item, loads_metadata
 from .storage import ObjectStore, TransferConfig, is_store_url, normalize_url, open_store
 
 
@@ -50,6 +57,15 @@ class ObjectStoreReader(StorageReader):
         readahead_bytes: bytes of item data fetched ahead of the one being
             deserialized; bounds the reader's extra host memory.
         verify_checksums: check each item's crc32 when the checkpoint has them.
+        allow_globals: classes and functions (or ``(object, "module.name")``
+            pairs) to trust beyond the defaults, in ``.metadata`` (a custom
+            ``planner_data`` type) and in non-tensor items.  Globals registered
+            with ``torch.serialization.add_safe_globals`` are trusted too.
+        allow_unsafe_pickle: hand non-tensor items to the planner without
+            validating them, as torch's readers do.  The default
+            ``DefaultLoadPlanner`` then runs ``torch.load(weights_only=False)``
+            on them: only for buckets where you trust everyone who can write.
+            ``.metadata`` is always read with the allow-list.
     """
 
     def __init__(
@@ -60,12 +76,16 @@ class ObjectStoreReader(StorageReader):
         transfer: TransferConfig | None = None,
         readahead_bytes: int = 512 << 20,
         verify_checksums: bool = True,
+        allow_globals: Iterable[Any] = (),
+        allow_unsafe_pickle: bool = False,
     ):
         super().__init__()
         self.storage_options = dict(storage_options or {})
         self.transfer = transfer or TransferConfig()
         self.readahead_bytes = readahead_bytes
         self.verify_checksums = verify_checksums
+        self.allow_globals = list(allow_globals)
+        self.allow_unsafe_pickle = allow_unsafe_pickle
         self.reset(url)
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -85,7 +105,7 @@ class ObjectStoreReader(StorageReader):
         """
         if self.metadata is not None:
             return self.metadata
-        metadata = read_metadata(self.store)
+        metadata = read_metadata(self.store, self.allow_globals)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -95,6 +115,7 @@ class ObjectStoreReader(StorageReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if metadata.storage_data is None:
             raise CorruptCheckpointError(f"{self.store.url_for(METADATA_KEY)}: metadata has no storage_data")
+        check_storage_data(metadata.storage_data, self.store.url_for(METADATA_KEY))
         self.storage_data = metadata.storage_data
         self._checksums = planner_data.read_checksums(metadata) if self.verify_checksums else {}
 
@@ -142,6 +163,8 @@ class ObjectStoreReader(StorageReader):
         if info.transform_descriptors:
             raise CorruptCheckpointError(f"{where}: stream transforms {info.transform_descriptors} are not supported")
         if reqs[0].type == LoadItemType.BYTE_IO:
+            if not self.allow_unsafe_pickle:
+                check_bytes_item(raw, where, self.allow_globals)
             for req in reqs:
                 planner.load_bytes(req, io.BytesIO(raw))
             return
@@ -169,37 +192,84 @@ class ObjectStoreReader(StorageReader):
         return is_store_url(checkpoint_id)
 
 
-def read_metadata(store: ObjectStore) -> Metadata:
+def read_metadata(store: ObjectStore, allow_globals: Iterable[Any] = ()) -> Metadata:
     """The committed ``Metadata`` under ``store``'s root, with dcpstore's extras set aside.
 
+    Unpickled with ``safe_pickle``'s allow-list, extended by ``allow_globals``:
+    ``UnsafeCheckpointError`` names any other global the pickle asks for.
     Raises ``CheckpointNotFoundError`` when there is no ``.metadata`` object:
-    whatever shards lie there, that prefix is no checkpoint.
+    whatever shards lie there, that prefix is no checkpoint.  Its
+    ``storage_data`` has passed ``check_storage_data``.
     """
+    url = store.url_for(METADATA_KEY)
     try:
         raw = store.get(METADATA_KEY)
     except BucketNotFoundError:
         raise
     except ObjectNotFoundError:
-        raise CheckpointNotFoundError(
-            f"{store.url_for(METADATA_KEY)}: no metadata object: incomplete or missing checkpoint"
-        ) from None
-    return parse_metadata(raw, store.url_for(METADATA_KEY))
+        raise CheckpointNotFoundError(f"{url}: no metadata object: incomplete or missing checkpoint") from None
+    return parse_metadata(raw, url, allow_globals)
 
 
-def parse_metadata(raw: bytes, url: str) -> Metadata:
-    """``Metadata`` from the bytes of the ``.metadata`` object at ``url``."""
+def parse_metadata(raw: bytes, url: str, allow_globals: Iterable[Any] = ()) -> Metadata:
+    """``Metadata`` from the bytes of the ``.metadata`` object at ``url``, unpickled safely."""
     try:
-        metadata = pickle.loads(raw)
+        metadata = loads_metadata(raw, url, allow_globals)
+    except UnsafeCheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001
         raise CorruptCheckpointError(f"{url}: cannot unpickle the metadata ({e})") from e
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{url}: holds a {type(metadata).__name__}, not Metadata")
+    if metadata.storage_data is not None:
+        check_storage_data(metadata.storage_data, url)
     user, extras = planner_data.split(metadata.planner_data)
     if user is not metadata.planner_data:
         # The user's planner stored a non-dict: give it back as it was.
         metadata.planner_data = user
         setattr(metadata, planner_data.DCPSTORE_ATTR, extras)
     return metadata
+
+
+def check_storage_data(storage_data: Any, url: str) -> None:
+    """Raise ``CorruptCheckpointError`` unless every item lies below the checkpoint prefix.
+
+    A key is ``/``-separated and relative: non-empty segments, none ``.`` or
+    ``..``, no backslash and no URL scheme, so it names the same object on
+    every store (``file://`` would otherwise resolve ``../../etc/x``).  Offsets
+    and lengths are non-negative ints.  The check lives here, where keys
+    arrive from untrusted data, rather than in ``ObjectStore``: every other key
+    a store sees is made by dcpstore itself.  ``read_metadata`` runs it for
+    every caller (the CLI included), ``set_up_storage_reader`` again for
+    metadata that reached the reader some other way; both are cheap, one
+    check per distinct object.
+    """
+    if not isinstance(storage_data, dict):
+        raise CorruptCheckpointError(f"{url}: storage_data is a {type(storage_data).__name__}, not a dict")
+    checked: set[str] = set()
+    for index, info in storage_data.items():
+        if not isinstance(info, _StorageInfo):
+            raise CorruptCheckpointError(f"{url}: storage_data[{index!r}] is a {type(info).__name__}, not _StorageInfo")
+        for name in ("offset", "length"):
+            value = getattr(info, name)
+            if type(value) is not int or value < 0:
+                raise CorruptCheckpointError(f"{url}: item {index!r} has {name} {value!r}")
+        key = info.relative_path
+        if key in checked:
+            continue
+        if (
+            not isinstance(key, str)
+            or not key
+            or key.startswith("/")
+            or "\\" in key
+            or "://" in key
+            or "\0" in key
+            or any(part in ("", ".", "..") for part in key.split("/"))
+        ):
+            raise CorruptCheckpointError(
+                f"{url}: item {index!r} names the object {key!r}, which is not a key below the checkpoint prefix"
+            )
+        checked.add(key)
 
 
 def check_state_dict(state_dict: dict[str, Any], metadata: Metadata, where: str) -> None:

@@ -37,6 +37,7 @@ module "checkpoints" {
   abort_incomplete_multipart_days = 1
   create_role                     = true
   role_trust                      = "ec2"
+  create_read_only_policy         = true
   tags = {
     purpose = "training-checkpoints"
   }
@@ -50,4 +51,9 @@ output "checkpoint_root_uri" {
 output "role_arn" {
   description = "Role for the training nodes."
   value       = module.checkpoints.role_arn
+}
+
+output "read_only_policy_arn" {
+  description = "Attach to evaluation jobs and operators: they read checkpoints, cannot write them."
+  value       = module.checkpoints.read_only_policy_arn
 }
