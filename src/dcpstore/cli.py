@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from tqdm import tqdm
 
 from . import planner_data
-from .errors import DcpstoreError, UnsafeCheckpointError
+from .errors import DcpstoreError, UnsafeCheckpointError, UnsupportedByStoreError
 from .layout import METADATA_KEY, list_steps, step_prefix
 from .reader import read_metadata
 from .safe_pickle import check_bytes_item
@@ -51,7 +51,7 @@ def _when(ts: float | None) -> str:
 def cmd_ls(args) -> int:
     """Steps from the object listing alone: no ``.metadata`` is read (``inspect`` shows world size)."""
     store = open_store(args.root)
-    uploads = store.list_multipart_uploads()
+    uploads = _open_uploads(store)
     open_by_step: dict[str, int] = {}
     for up in uploads:
         head = up.key.split("/", 1)[0]
@@ -164,14 +164,32 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def _open_uploads(store: ObjectStore) -> list:
+    """Open multipart uploads under ``store``; empty, with a note, where the server cannot list them."""
+    try:
+        return store.list_multipart_uploads()
+    except UnsupportedByStoreError as e:
+        print(f"note: open multipart uploads could not be listed ({e})", file=sys.stderr)
+        return []
+
+
 def plan_gc(store: ObjectStore, keep_last: int | None, grace: float, now: float | None = None):
-    """What ``gc`` would delete: ``(incomplete_steps, stale_uploads, pruned_steps)``."""
+    """What ``gc`` would delete: ``(incomplete_steps, stale_uploads, pruned_steps)``.
+
+    An incomplete step is only a candidate when nothing under it, neither
+    an object nor an open multipart upload, is younger than ``grace``: a
+    save may still be running there.
+    """
     now = time.time() if now is None else now
     steps = list_steps(store)
     committed = [s for s in steps if s.committed]
     newest = committed[-1].step if committed else None
-    incomplete = [s for s in steps if not s.committed and (s.last_modified or 0) < now - grace]
-    uploads = [u for u in store.list_multipart_uploads() if (u.initiated or 0) < now - grace]
+    all_uploads = _open_uploads(store)
+    active = {u.key.split("/", 1)[0] for u in all_uploads if (u.initiated or 0) >= now - grace}
+    incomplete = [
+        s for s in steps if not s.committed and (s.last_modified or 0) < now - grace and s.prefix not in active
+    ]
+    uploads = [u for u in all_uploads if (u.initiated or 0) < now - grace]
     pruned = []
     if keep_last is not None and len(committed) > keep_last:
         pruned = [s for s in committed[:-keep_last] if s.step != newest]
@@ -192,12 +210,30 @@ def cmd_gc(args) -> int:
         return 0
     for u in tqdm(uploads, desc="abort uploads", unit="upload", disable=len(uploads) < 20):
         store.abort_upload(u.key, u.upload_id)
-    for s in tqdm(incomplete + pruned, desc="delete steps", unit="step", disable=len(incomplete + pruned) < 5):
+    deleted = 0
+    for s in tqdm(incomplete, desc="delete incomplete steps", unit="step", disable=len(incomplete) < 5):
+        deleted += delete_incomplete_step(store, s)
+    for s in tqdm(pruned, desc="delete steps", unit="step", disable=len(pruned) < 5):
         child = store.child(s.prefix)
-        child.delete([METADATA_KEY] if s.committed else [])  # uncommit first
+        child.delete([METADATA_KEY])  # uncommit first
         child.delete([o.key for o in child.list()])
-    print(f"done: {len(incomplete)} incomplete and {len(pruned)} committed steps deleted, {len(uploads)} uploads aborted")
+    print(f"done: {deleted} incomplete and {len(pruned)} committed steps deleted, {len(uploads)} uploads aborted")
     return 0
+
+
+def delete_incomplete_step(store: ObjectStore, step) -> bool:
+    """Delete the objects ``plan_gc`` listed for an incomplete step, unless it has committed since.
+
+    Only the listed objects go: shards a new save wrote after the listing
+    are left alone, and a step whose ``.metadata`` appeared after the
+    listing is skipped.
+    """
+    child = store.child(step.prefix)
+    if child.exists(METADATA_KEY):
+        print(f"skipping step {step.step}: it was committed after gc listed it")
+        return False
+    child.delete([k for k in step.keys if k != METADATA_KEY])
+    return True
 
 
 def cmd_demo(args) -> int:

@@ -36,6 +36,7 @@ class StepInfo:
     size: int  # bytes in all objects of the step
     objects: int
     last_modified: float | None  # newest object's time
+    keys: tuple[str, ...] = ()  # the step's objects as listed, relative to its prefix
 
 
 def list_steps(store: ObjectStore) -> list[StepInfo]:
@@ -56,6 +57,7 @@ def list_steps(store: ObjectStore) -> list[StepInfo]:
                 size=sum(o.size for _, o in objects),
                 objects=len(objects),
                 last_modified=max(times) if times else None,
+                keys=tuple(name for name, _ in objects),
             )
         )
     return sorted(steps, key=lambda s: s.step)
