@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcpstore
 from conftest import object_exists
@@ -175,4 +176,28 @@ def test_cuda_staging_is_pinned_async_and_ordered(bucket):
     out = {"w": torch.zeros(1024, 1024, device="cuda")}
     ckpt.load(out, step=1)
     assert torch.equal(out["w"].cpu(), expected)
+    ckpt.close()
+
+
+class _ComputingPlanner(DefaultSavePlanner):
+    """resolve_data launches a kernel and returns a temporary, as DTensor redistribution does."""
+
+    def resolve_data(self, write_item):
+        data = super().resolve_data(write_item)
+        if isinstance(data, torch.Tensor) and data.is_cuda:
+            torch.cuda._sleep(10_000_000)  # a slow kernel before the one that makes the value
+            return data * 2
+        return data
+
+
+@cuda
+def test_cuda_staging_waits_for_each_items_kernels(bucket):
+    ckpt = dcpstore.AsyncCheckpointer(f"s3://{bucket}/run", planner_factory=_ComputingPlanner)
+    sd = {f"w{i}": torch.randn(256, 256, device="cuda") for i in range(4)}
+    expected = {k: v.cpu() * 2 for k, v in sd.items()}
+    ckpt.save(sd, step=1).result()
+    out = {k: torch.zeros(256, 256, device="cuda") for k in sd}
+    ckpt.load(out, step=1)
+    for k in sd:
+        assert torch.equal(out[k].cpu(), expected[k]), k
     ckpt.close()

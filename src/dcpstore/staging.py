@@ -77,12 +77,16 @@ class StagingPool:
             src = data.detach()
             buf = self._buffer(item.index, src)
             if src.is_cuda:
-                stream = used_streams.get(src.device) or self._side_stream(src.device)
-                if src.device not in used_streams:
-                    stream.wait_stream(torch.cuda.current_stream(src.device))
-                    used_streams[src.device] = stream
+                stream = used_streams.setdefault(src.device, self._side_stream(src.device))
+                # Per item: resolve_data may have just launched the kernels
+                # that produce src (a DTensor's local shard, a contiguous
+                # copy) on the current stream.
+                stream.wait_stream(torch.cuda.current_stream(src.device))
                 with torch.cuda.stream(stream):
                     buf.copy_(src, non_blocking=True)
+                # src may be a temporary: keep its memory from being reused
+                # by the current stream before the side stream has read it.
+                src.record_stream(stream)
             else:
                 buf.copy_(src)
             staged[item.index] = buf
