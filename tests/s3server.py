@@ -26,7 +26,7 @@ class Rule:
     pattern: re.Pattern
     status: int | None = None  # answer with this S3 error status
     code: str = "SlowDown"
-    delay: float = 0.0  # seconds before forwarding
+    delay: float = 0.0  # seconds before acting (forwarding, or any fault below)
     reset: bool = False  # close the connection without answering
     drop_response: bool = False  # forward to the server, then close without answering
     truncate: bool = False  # forward, then send only half the response body
@@ -74,12 +74,12 @@ class FaultProxy:
             def _handle(self):
                 body = self._body()
                 rule = proxy._match(self.command, self.path)
+                if rule is not None and rule.delay:
+                    time.sleep(rule.delay)
                 if rule is not None and rule.reset:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
                     return
-                if rule is not None and rule.delay:
-                    time.sleep(rule.delay)
                 if rule is not None and rule.status:
                     payload = (
                         f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{rule.code}</Code>"

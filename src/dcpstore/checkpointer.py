@@ -186,6 +186,12 @@ class AsyncCheckpointer:
             that many are pending first waits for the oldest to commit (and
             raises if it failed).  Each in-flight save holds its own pool.
         collective_timeout: bound on every wait for a peer rank.
+        commit_window: after a peer failure breaks the commit's collectives,
+            how long a rank watches storage for the coordinator's ``.metadata``
+            before it reports the step failed.  It must exceed the time the
+            coordinator's ``.metadata`` PUT can take; one that takes longer
+            (retries against a throttled store) can still commit after a peer
+            gave up on it, and only then can ranks disagree.
         transfer, objects_per_rank: see ``ObjectStoreWriter``.
     """
 
@@ -200,6 +206,7 @@ class AsyncCheckpointer:
         planner_factory: Callable[[], SavePlanner] = DefaultSavePlanner,
         max_in_flight: int = 1,
         collective_timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+        commit_window: float = 30.0,
         transfer: TransferConfig | None = None,
         objects_per_rank: int = 4,
         pin_memory: bool | None = None,
@@ -216,6 +223,7 @@ class AsyncCheckpointer:
         self.planning = planning
         self.planner_factory = planner_factory
         self.max_in_flight = max_in_flight
+        self.commit_window = commit_window
         self.transfer = transfer or TransferConfig()
         self.store = open_store(self.root, self.storage_options, self.transfer)
         if process_group is None and dist.is_available() and dist.is_initialized():
@@ -443,11 +451,23 @@ class AsyncCheckpointer:
                 logger.warning("%s: keep_last=%d pruning failed: %s", self.root, self.keep_last, e)
 
     def _committed_in_storage(self, job: _SaveJob, results) -> bool:
-        """Whether step ``job.step`` is committed with this rank's shards in it."""
-        try:
-            metadata = ObjectStoreReader(job.url, storage_options=self.storage_options, transfer=self.transfer).read_metadata()
-        except CheckpointNotFoundError:
-            return False
+        """Whether step ``job.step`` is committed with this rank's shards in it.
+
+        A peer's death can break this rank's collective while a live
+        coordinator's ``.metadata`` PUT is still on its way, so an absent
+        ``.metadata`` is only believed after ``commit_window`` seconds of
+        looking (it returns as soon as the object appears).
+        """
+        deadline = time.monotonic() + self.commit_window
+        while True:
+            try:
+                reader = ObjectStoreReader(job.url, storage_options=self.storage_options, transfer=self.transfer)
+                metadata = reader.read_metadata()
+                break
+            except CheckpointNotFoundError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.5)  # polling storage, the only party both sides still reach
         stored = metadata.storage_data or {}
         return all(
             (info := stored.get(r.index)) is not None and info.relative_path == r.storage_data.relative_path
