@@ -33,7 +33,7 @@ def test_sharded_round_trip_reshard_and_stock_reader(world_size, bucket, s3):
 
     # The persisted plans are the local plans the ranks made, in rank order.
     md = read_metadata_raw(s3, bucket, "ckpt")
-    plans = md.planner_data[dcpstore.ALL_LOCAL_PLANS_KEY]
+    plans = dcpstore.read_plans(md)
     assert len(plans) == world_size
     for rank in range(world_size):
         assert plans[rank].items == local_plans[rank].items

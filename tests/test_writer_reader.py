@@ -65,10 +65,10 @@ def test_plans_and_flatten_mappings_live_side_by_side(bucket, s3):
     planner = DefaultSavePlanner()
     planner.set_up_planner(sd, is_coordinator=True)
     expected = planner.create_local_plan()
-    plans = md.planner_data[dcpstore.ALL_LOCAL_PLANS_KEY]
+    assert planner_data.PLANS_KEY in md.planner_data  # the compact form
+    plans = dcpstore.read_plans(md)
     assert len(plans) == 1
     assert plans[0].items == expected.items and plans[0].planner_data == expected.planner_data
-    assert dcpstore.read_plans(md) == plans
     assert set(md.planner_data[planner_data.CHECKSUMS_KEY]) == set(md.storage_data)
 
 

@@ -24,7 +24,7 @@ from .errors import (
     UnsupportedByStoreError,
 )
 from .plan_cache import PlanCache
-from .planner_data import ALL_LOCAL_PLANS_KEY, read_checksums, read_plans
+from .planner_data import ALL_LOCAL_PLANS_KEY, PLANS_KEY, read_checksums, read_plans
 from .reader import ObjectStoreReader
 from .storage import RetryPolicy, TransferConfig, open_store
 from .writer import ObjectStoreWriter
@@ -43,6 +43,7 @@ __all__ = [
     "ObjectNotFoundError",
     "ObjectStoreReader",
     "ObjectStoreWriter",
+    "PLANS_KEY",
     "PlanCache",
     "RetryPolicy",
     "SaveHandle",

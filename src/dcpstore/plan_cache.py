@@ -7,10 +7,15 @@ as the state-dict structure (fqns, shapes, dtypes, shard offsets) stays the
 same on every rank, the result is the same too, so the checkpointer keeps it
 here and a later save only all-reduces one "my plan is unchanged" flag.
 
-After a restart, ``fill_from_metadata`` rebuilds the cache from the local
-plans persisted in the checkpoint's ``planner_data``: every rank holds every
-rank's plan, so each can redo the (deterministic, local) global step on its
-own, and the first save after the restart needs no planning collective.
+After a restart, ``fill_from_metadata`` rebuilds the cache from the plans
+persisted in the checkpoint's ``planner_data``, and the first save after the
+restart needs no planning collective.  With the compact form (see
+``planner_data.encode_plans``) rank r decodes only its own local plan and its
+final plan (the persisted dedup decision says which of its items it writes):
+O(items of rank r), whatever the world size.  Only the coordinator keeps a
+global ``Metadata`` (the checkpoint's own, without dcpstore's entries), since
+only it commits.  Older checkpoints (full plans) and planners whose global step
+differs from ``DefaultSavePlanner``'s still redo the global step over all plans.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
@@ -34,7 +41,19 @@ class CachedPlan:
     # Known where the global step ran: on the coordinator (central planning)
     # or on every rank (decentralized planning); None elsewhere.
     metadata: Metadata | None = None
-    all_local_plans: list[SavePlan] | None = None
+    # What the coordinator's writer persists: the full local plans, or their
+    # compact form (after a restart); None elsewhere.
+    all_local_plans: list[SavePlan] | dict | None = None
+
+
+_GLOBAL_STEP = ("create_global_plan", "_create_global_plan", "_dedup_save_plans", "_create_global_plan_with_caching")
+
+
+def default_global_step(planner: SavePlanner) -> bool:
+    """Whether ``planner``'s global step is ``DefaultSavePlanner``'s (so the persisted dedup applies)."""
+    return isinstance(planner, DefaultSavePlanner) and all(
+        getattr(type(planner), name, None) is getattr(DefaultSavePlanner, name) for name in _GLOBAL_STEP
+    )
 
 
 def same_plan(a: SavePlan, b: SavePlan) -> bool:
@@ -79,6 +98,22 @@ class PlanCache:
         Falls back (returns False, cache cleared) when the checkpoint was
         written by another tool or with another world size.
         """
+        compact = planner_data.read_compact(metadata)
+        if compact is not None and len(compact["ranks"]) == world_size and default_global_step(planner):
+            decoded = planner_data.decode_rank(compact, metadata, rank)
+            if decoded is not None:
+                local, final = decoded
+                coordinator = rank == 0
+                self.store(
+                    CachedPlan(
+                        local_plan=local,
+                        central_plan=dataclasses.replace(final, storage_data=_StoragePrefix(f"__{rank}_")),
+                        world_size=world_size,
+                        metadata=self.global_metadata(metadata) if coordinator else None,
+                        all_local_plans=compact if coordinator else None,
+                    )
+                )
+                return True
         plans = planner_data.read_plans(metadata)
         if plans is None or len(plans) != world_size:
             logger.info(
@@ -88,6 +123,7 @@ class PlanCache:
             )
             self.clear()
             return False
+        # Full plans (older checkpoints) or a planner with its own global step: redo it.
         global_plans, global_metadata = planner.create_global_plan([writer.attach_local_plan(p) for p in plans])
         central = writer.prepare_global_plan(global_plans)
         self.store(
@@ -100,3 +136,15 @@ class PlanCache:
             )
         )
         return True
+
+    @staticmethod
+    def global_metadata(metadata: Metadata) -> Metadata:
+        """The ``Metadata`` ``DefaultSavePlanner``'s global step gives for the checkpoint's plans.
+
+        Its ``state_dict_metadata`` and the planner's own ``planner_data``; what
+        ``finish()`` adds (storage data, dcpstore's entries) is left out.
+        """
+        return Metadata(
+            state_dict_metadata=metadata.state_dict_metadata,
+            planner_data=planner_data.user_planner_data(metadata),
+        )

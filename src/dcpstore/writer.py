@@ -29,8 +29,15 @@ global step (dedup, metadata) keeps ``storage_data``, so the coordinator's
 ``prepare_global_plan`` recovers the plans exactly as the ranks made them,
 before dedup, whatever ``SavePlanner`` is in use -- including the one
 ``dcp.save`` creates itself when the caller passes none, which no wrapper
-could reach.  ``finish()`` persists them under a reserved ``planner_data``
-key (see ``planner_data``).
+could reach.  ``finish()`` persists them, with what the dedup decided (from
+the write results), in the compact form of ``planner_data.encode_plans``.
+
+With torch's own plan caching (``DefaultSavePlanner(enable_plan_caching=True)``)
+an unchanged rank sends an empty, unusable plan and the global step returns
+delta plans, so the carriers are missing.  The writer then takes the local
+plans from the coordinator planner's full ``global_plan`` (in ``write_data``),
+or reuses the compact form it computed for the same ``Metadata`` object
+(torch hands the cached one back when nothing changed).
 """
 
 from __future__ import annotations
@@ -40,8 +47,11 @@ import dataclasses
 import logging
 import os
 import pickle
+import threading
 import uuid
+import weakref
 import zlib
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -64,6 +74,30 @@ from .reader import parse_metadata
 from .storage import ObjectStore, ObjectWriter, TransferConfig, is_store_url, normalize_url, open_store
 
 logger = logging.getLogger(__name__)
+
+# Compact plans this process persisted, by identity of the Metadata object they
+# describe: (weakref to it, the local plans they encode or None, compact form).
+_RECENT_COMPACT: "OrderedDict[int, tuple[weakref.ref, object, dict]]" = OrderedDict()
+_RECENT_LOCK = threading.Lock()
+_RECENT_MAX = 8
+
+
+def _remember_compact(metadata: Metadata, source: object, compact: dict) -> None:
+    with _RECENT_LOCK:
+        _RECENT_COMPACT.pop(id(metadata), None)
+        _RECENT_COMPACT[id(metadata)] = (weakref.ref(metadata), source, compact)
+        while len(_RECENT_COMPACT) > _RECENT_MAX:
+            _RECENT_COMPACT.popitem(last=False)
+
+
+def _recall_compact(metadata: Metadata, source: object = None) -> dict | None:
+    """The compact form computed earlier for this very ``metadata`` (and ``source``, if given)."""
+    with _RECENT_LOCK:
+        entry = _RECENT_COMPACT.get(id(metadata))
+    if entry is None or entry[0]() is not metadata or (source is not None and entry[1] is not source):
+        return None
+    compact = entry[2]
+    return compact if planner_data.compact_matches(compact, metadata) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +204,14 @@ def write_items(
     return results
 
 
+def _carried_plan(plan: SavePlan) -> SavePlan | None:
+    """The local plan a global-step plan carries, or ``None`` (dropped, or torch's unusable delta)."""
+    carrier = getattr(plan, "storage_data", None)
+    if not isinstance(carrier, _LocalPlanCarrier) or not getattr(carrier.plan, "usable", True):
+        return None
+    return carrier.plan
+
+
 class ObjectStoreWriter(StorageWriter):
     """Write DCP checkpoints to ``url`` (``s3://bucket/prefix``, ``file://...``, ``memory://...``).
 
@@ -216,7 +258,11 @@ class ObjectStoreWriter(StorageWriter):
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
-        self.all_local_plans: list[SavePlan] | None = None
+        # The ranks' local plans finish() persists: a list of plans, the
+        # compact form (from the plan cache), or None (unknown).
+        self.all_local_plans: list[SavePlan] | dict | None = None
+        self._plans_missing: str | None = None  # why they are unknown
+        self._plans_from_planner = False
         self._replaced: _Replaced | None = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -252,8 +298,9 @@ class ObjectStoreWriter(StorageWriter):
         )
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        carried = [p.storage_data.plan if isinstance(p.storage_data, _LocalPlanCarrier) else None for p in plans]
-        self.remember_local_plans(carried)
+        self.remember_local_plans([_carried_plan(p) for p in plans])
+        if self.all_local_plans is None and not all(getattr(p, "usable", True) for p in plans):
+            self._plans_missing = "cached"  # torch's plan caching sent deltas; see write_data/finish
         if self.overwrite:
             self._replaced = self._read_replaced()
         return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{rank}_")) for rank, plan in enumerate(plans)]
@@ -267,19 +314,35 @@ class ObjectStoreWriter(StorageWriter):
         old = parse_metadata(raw, self.store.url_for(METADATA_KEY))
         return _Replaced(etag, frozenset(info.relative_path for info in (old.storage_data or {}).values()))
 
-    def remember_local_plans(self, plans: list[SavePlan | None]) -> None:
-        """The local plans ``finish()`` persists; ``None`` entries mean unknown."""
-        if plans and all(p is not None for p in plans):
-            self.all_local_plans = [planner_data.strip_plan(p) for p in plans]
+    def remember_local_plans(self, plans: list[SavePlan | None] | dict | None) -> None:
+        """The local plans ``finish()`` persists.
+
+        A list of plans (``None`` entries: unknown), or the compact form of
+        ``planner_data.encode_plans`` as the plan cache keeps it.
+        """
+        if planner_data.is_compact(plans):
+            self.all_local_plans = plans
+            self._plans_missing = None
+        elif plans and all(p is not None for p in plans):
+            if all(p.storage_data is None for p in plans):
+                self.all_local_plans = plans  # kept as is: finish() recognizes a list it encoded before
+            else:
+                self.all_local_plans = [planner_data.strip_plan(p) for p in plans]
+            self._plans_missing = None
         else:
             self.all_local_plans = None
-            logger.warning(
-                "%s: the planner dropped SavePlan.storage_data, so the local plans "
-                "cannot be persisted; a restart will plan in full",
-                self.url,
-            )
+            self._plans_missing = "dropped"
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self.is_coordinator and self.all_local_plans is None:
+            # torch's plan caching: the coordinator planner's full global plan
+            # still carries every rank's local plan.
+            full = getattr(planner, "global_plan", None)
+            if isinstance(full, list) and full:
+                carried = [_carried_plan(p) for p in full]
+                if all(p is not None for p in carried):
+                    self.all_local_plans = [planner_data.strip_plan(p) for p in carried]
+                    self._plans_from_planner = True
         # A cached final plan (torch's plan caching) may carry any earlier
         # prefix; only the rank part of it is used.
         prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{self.rank}_"
@@ -323,16 +386,49 @@ class ObjectStoreWriter(StorageWriter):
         extras: dict[str, Any] = {}
         if checksums:
             extras[planner_data.CHECKSUMS_KEY] = checksums
-        if self.all_local_plans is not None:
-            extras[planner_data.ALL_LOCAL_PLANS_KEY] = self.all_local_plans
+        extras.update(self._plans_extras(metadata, results))
         # Mutated in place, as torch's writers do: dcp.save returns this object.
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = storage_data
         metadata.storage_meta = self.storage_meta()
-        # split() first: a reused (cached) Metadata already carries last save's extras.
-        user_planner_data, _ = planner_data.split(metadata.planner_data)
+        # A reused (cached) Metadata already carries last save's extras: drop them.
+        user_planner_data = planner_data.user_planner_data(metadata)
         metadata.planner_data = planner_data.embed(user_planner_data, extras)
         self.commit(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), storage_data)
+
+    def _plans_extras(self, metadata: Metadata, results: list[list[WriteResult]]) -> dict[str, Any]:
+        """What ``finish()`` stores about the plans: the compact form, the full list, or nothing."""
+        plans = self.all_local_plans
+        if planner_data.is_compact(plans):
+            if planner_data.compact_matches(plans, metadata) and len(plans["ranks"]) == len(results):
+                _remember_compact(metadata, None, plans)
+                return {planner_data.PLANS_KEY: plans}
+            plans = None  # not this structure: treat as unknown
+        if plans is None:
+            compact = _recall_compact(metadata)
+            if compact is not None and len(compact["ranks"]) == len(results):
+                logger.info("%s: reusing the compact plans of the previous save of this structure", self.url)
+                return {planner_data.PLANS_KEY: compact}
+            if self._plans_missing == "cached":
+                logger.info("%s: torch's plan caching left no local plans to persist; a restart will plan in full", self.url)
+            else:
+                logger.warning(
+                    "%s: the planner dropped SavePlan.storage_data, so the local plans "
+                    "cannot be persisted; a restart will plan in full",
+                    self.url,
+                )
+            return {}
+        compact = _recall_compact(metadata, plans)
+        if compact is None:
+            compact = planner_data.encode_plans(plans, metadata, [{wr.index for wr in rr} for rr in results])
+        if compact is not None:
+            _remember_compact(metadata, plans, compact)
+            return {planner_data.PLANS_KEY: compact}
+        if self._plans_from_planner:
+            logger.info("%s: the planner's cached plans do not match this save; not persisting plans", self.url)
+            return {}
+        logger.info("%s: plans do not fit the compact form; persisting them in full", self.url)
+        return {planner_data.ALL_LOCAL_PLANS_KEY: plans}
 
     def commit(self, raw_metadata: bytes, storage_data: dict) -> None:
         """Write ``.metadata``: the one conditional PUT that makes the checkpoint exist.
