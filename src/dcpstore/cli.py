@@ -79,7 +79,7 @@ def summarize(store: ObjectStore) -> dict:
         elif isinstance(md, BytesStorageMetadata):
             byte_items.append(fqn)
     storage = metadata.storage_data or {}
-    plans = planner_data.read_plans(metadata)
+    plan_ranks = planner_data.persisted_plan_ranks(metadata)
     return {
         "url": store.url,
         "version": metadata.version,
@@ -87,8 +87,8 @@ def summarize(store: ObjectStore) -> dict:
         "bytes_items": byte_items,
         "total_bytes": sum(info.length for info in storage.values()),
         "objects": len({info.relative_path for info in storage.values()}),
-        "plans_persisted": plans is not None,
-        "plan_ranks": len(plans) if plans is not None else 0,
+        "plans_persisted": plan_ranks is not None,
+        "plan_ranks": plan_ranks or 0,
         "checksums": bool(planner_data.read_checksums(metadata)),
     }
 

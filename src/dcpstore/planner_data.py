@@ -340,6 +340,15 @@ def read_plans(metadata: Metadata) -> list[SavePlan] | None:
     return plans
 
 
+def persisted_plan_ranks(metadata: Metadata) -> int | None:
+    """How many ranks' plans ``metadata`` carries, without decoding them; ``None`` if none."""
+    compact = read_compact(metadata)
+    if compact is not None:
+        return len(compact["ranks"])
+    plans = _extras(metadata).get(ALL_LOCAL_PLANS_KEY)
+    return len(plans) if isinstance(plans, list) else None
+
+
 def read_compact(metadata: Metadata) -> dict[str, Any] | None:
     """The compact plans of ``metadata``, if it has them and they index into it."""
     compact = _extras(metadata).get(PLANS_KEY)

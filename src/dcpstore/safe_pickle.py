@@ -56,7 +56,8 @@ def _builtin_allowed() -> dict[str, Any]:
       is how ``TensorProperties`` pickles its memory format;
     * ``filesystem._StorageInfo``: ``storage_data`` of torch's writers and dcpstore's;
     * ``planner`` SavePlan, WriteItem, WriteItemType, TensorWriteData: the
-      plans dcpstore persists under ``planner_data["dcpstore/all_local_plans"]``;
+      full plans of checkpoints written before the compact form
+      (``planner_data["dcpstore/all_local_plans"]``; ``dcpstore/plans_v2`` is builtins only);
     * ``torch.Size`` (sizes, offsets) and every ``torch.<dtype>`` (dtypes pickle
       as globals, are not callable);
     * ``torch.serialization._get_layout``: how a ``torch.layout`` pickles; it
