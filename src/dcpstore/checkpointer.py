@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .errors import CheckpointExistsError, CheckpointNotFoundError, CheckpointSaveError, CheckpointTimeoutError
-from .layout import METADATA_KEY, committed_steps, step_prefix
+from .layout import METADATA_KEY, committed_steps, delete_committed_step, step_prefix
 from .plan_cache import CachedPlan, PlanCache
 from .reader import ObjectStoreReader, check_state_dict
 from .staging import StagedItems, StagingPool
@@ -482,11 +482,7 @@ class AsyncCheckpointer:
         """Delete committed steps beyond the newest ``keep_last`` (coordinator only)."""
         steps = committed_steps(self.store)
         for step in steps[: -self.keep_last]:
-            prefix = step_prefix(step)
-            child = self.store.child(prefix)
-            # .metadata first: the step stops being a checkpoint before its shards go.
-            child.delete([METADATA_KEY])
-            child.delete([o.key for o in child.list()])
+            delete_committed_step(self.store, step_prefix(step))
 
     # -- reading ------------------------------------------------------------------------
 

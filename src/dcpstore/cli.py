@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from . import planner_data
 from .errors import DcpstoreError, UnsafeCheckpointError, UnsupportedByStoreError
-from .layout import METADATA_KEY, list_steps, step_prefix
+from .layout import METADATA_KEY, delete_committed_step, list_steps, step_prefix
 from .reader import read_metadata
 from .safe_pickle import check_bytes_item
 from .storage import ObjectStore, open_store
@@ -214,9 +214,7 @@ def cmd_gc(args) -> int:
     for s in tqdm(incomplete, desc="delete incomplete steps", unit="step", disable=len(incomplete) < 5):
         deleted += delete_incomplete_step(store, s)
     for s in tqdm(pruned, desc="delete steps", unit="step", disable=len(pruned) < 5):
-        child = store.child(s.prefix)
-        child.delete([METADATA_KEY])  # uncommit first
-        child.delete([o.key for o in child.list()])
+        delete_committed_step(store, s.prefix)
     print(f"done: {deleted} incomplete and {len(pruned)} committed steps deleted, {len(uploads)} uploads aborted")
     return 0
 

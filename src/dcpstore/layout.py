@@ -63,5 +63,12 @@ def list_steps(store: ObjectStore) -> list[StepInfo]:
     return sorted(steps, key=lambda s: s.step)
 
 
+def delete_committed_step(store: ObjectStore, prefix: str) -> None:
+    """Delete a committed step: ``.metadata`` first, so it stops being a checkpoint before its shards go."""
+    child = store.child(prefix)
+    child.delete([METADATA_KEY])
+    child.delete([o.key for o in child.list()])
+
+
 def committed_steps(store: ObjectStore) -> list[int]:
     return [s.step for s in list_steps(store) if s.committed]

@@ -340,11 +340,7 @@ class ObjectStore:
             _, current = self.get_with_etag(key)
         except ObjectNotFoundError:
             current = None
-        if if_none_match and current is not None:
-            raise ConditionalWriteError(f"{self.url_for(key)}: object already exists")
-        if if_match and current != if_match:
-            state = "no longer exists" if current is None else f"changed (ETag {current}, expected {if_match})"
-            raise ConditionalWriteError(f"{self.url_for(key)}: object {state}")
+        _refuse_unless_condition_holds(self.url_for(key), current, if_none_match, if_match)
 
     def _write(self, key: str, data) -> None:
         path = self._path(key)
@@ -399,6 +395,18 @@ class ObjectStore:
 
 
 _conditional_lock = threading.Lock()
+
+
+def _refuse_unless_condition_holds(url: str, current: str | None, if_none_match: bool, if_match: str | None) -> None:
+    """``ConditionalWriteError`` unless the object's ``current`` tag (``None``: absent) meets the condition.
+
+    Tags compare without quotes: S3 quotes ETags, callers may not.
+    """
+    if if_none_match and current is not None:
+        raise ConditionalWriteError(f"{url}: object already exists")
+    if if_match and (current is None or current.strip('"') != if_match.strip('"')):
+        state = "no longer exists" if current is None else f"changed (ETag {current}, expected {if_match})"
+        raise ConditionalWriteError(f"{url}: object {state}")
 
 
 class LocalObjectStore(ObjectStore):
@@ -672,10 +680,7 @@ class S3ObjectStore(ObjectStore):
             current = (await self._call("HEAD", key, "head_object", Bucket=bucket, Key=path))["ETag"]
         except ObjectNotFoundError:
             current = None
-        if if_none_match and current is not None:
-            raise ConditionalWriteError(f"{self.url_for(key)}: object already exists")
-        if if_match and (current is None or current.strip('"') != if_match.strip('"')):
-            raise ConditionalWriteError(f"{self.url_for(key)}: object changed since ETag {if_match} was read")
+        _refuse_unless_condition_holds(self.url_for(key), current, if_none_match, if_match)
 
     def get_with_etag(self, key: str) -> tuple[bytes, str | None]:
         bucket, path = self._split(key)
