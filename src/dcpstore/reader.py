@@ -1,10 +1,14 @@
 """``ObjectStoreReader``: a DCP ``StorageReader`` with concurrent ranged reads.
 
-It reads only the bytes each ``ReadItem`` needs (one ranged GET per stored
-item, split further for large items), keeps a bounded window of them in
-flight, and hands them to the planner in plan order on the calling thread,
-because DCP planners are not required to be thread-safe.  Items recorded with
-a crc32 (see ``planner_data``) are checked before they are deserialized.
+It reads only the objects' byte ranges the ``ReadItem``s need, coalesced
+(see ``coalesce``): items of one object that lie close together are fetched
+with one ranged GET, so a shard of 3,000 small optimizer-state tensors costs
+one request, not 3,000.  It keeps a bounded window of ranges in flight and
+hands items to the planner on the calling thread, because DCP planners are
+not required to be thread-safe.  Items recorded with a crc32 (see
+``planner_data``) are checked before they are deserialized, and tensors are
+read out of their archives by ``tensor_archive`` straight from the fetched
+bytes: one copy, into the destination.
 
 Nothing read from the bucket runs code here (see ``safe_pickle``): ``.metadata``
 is unpickled with an allow-list, every non-tensor item is validated with
@@ -16,6 +20,7 @@ authenticate anything: whoever can rewrite an item can rewrite its checksum.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import io
 import os
 import uuid
@@ -44,6 +49,7 @@ from .errors import (
 )
 from .layout import METADATA_KEY
 from .safe_pickle import check_bytes_item, loads_metadata
+from .tensor_archive import load_tensor
 from .storage import ObjectStore, TransferConfig, is_store_url, normalize_url, open_store
 
 
@@ -56,6 +62,10 @@ class ObjectStoreReader(StorageReader):
         transfer: part size, concurrency, timeouts and retries.
         readahead_bytes: bytes of item data fetched ahead of the one being
             deserialized; bounds the reader's extra host memory.
+        coalesce_gap_bytes: items of one object at most this far apart are
+            fetched in one ranged GET (the gap is read and dropped).  The
+            default, 1 MiB, costs about what one more request's latency
+            does on S3 (~10 ms at ~100 MB/s a connection).
         verify_checksums: check each item's crc32 when the checkpoint has them.
         allow_globals: classes and functions (or ``(object, "module.name")``
             pairs) to trust beyond the defaults, in ``.metadata`` (a custom
@@ -75,6 +85,7 @@ class ObjectStoreReader(StorageReader):
         storage_options: dict[str, Any] | None = None,
         transfer: TransferConfig | None = None,
         readahead_bytes: int = 512 << 20,
+        coalesce_gap_bytes: int = 1 << 20,
         verify_checksums: bool = True,
         allow_globals: Iterable[Any] = (),
         allow_unsafe_pickle: bool = False,
@@ -83,6 +94,7 @@ class ObjectStoreReader(StorageReader):
         self.storage_options = dict(storage_options or {})
         self.transfer = transfer or TransferConfig()
         self.readahead_bytes = readahead_bytes
+        self.coalesce_gap_bytes = coalesce_gap_bytes
         self.verify_checksums = verify_checksums
         self.allow_globals = list(allow_globals)
         self.allow_unsafe_pickle = allow_unsafe_pickle
@@ -135,27 +147,34 @@ class ObjectStoreReader(StorageReader):
                     f"(offset {tuple(req.storage_index.offset or ())})"
                 )
             needed.setdefault(req.storage_index, []).append(req)
+        ranges = coalesce(
+            [(self.storage_data[index], reqs) for index, reqs in needed.items()],
+            gap_bytes=self.coalesce_gap_bytes,
+            max_bytes=max(self.readahead_bytes // 8, self.transfer.part_size),
+        )
 
         pending: collections.deque = collections.deque()
         in_flight = 0
-        queue = list(needed.items())
         position = 0
-        while position < len(queue) or pending:
-            while position < len(queue) and (not pending or in_flight < self.readahead_bytes):
-                index, reqs = queue[position]
-                info: _StorageInfo = self.storage_data[index]
-                fut = self.store.get_range_async(info.relative_path, info.offset, info.offset + info.length)
-                pending.append((index, reqs, info, fut))
-                in_flight += info.length
+        while position < len(ranges) or pending:
+            while position < len(ranges) and (not pending or in_flight < self.readahead_bytes):
+                r = ranges[position]
+                pending.append((r, self.store.get_range_async(r.key, r.start, r.end)))
+                in_flight += r.end - r.start
                 position += 1
-            index, reqs, info, fut = pending.popleft()
-            in_flight -= info.length
-            self._deliver(reqs, info, fut.result(), planner)
+            r, fut = pending.popleft()
+            in_flight -= r.end - r.start
+            data = fut.result()
+            whole = memoryview(data)
+            for info, reqs in r.items:
+                lo = info.offset - r.start
+                raw = data if lo == 0 and info.length == len(data) else whole[lo : lo + info.length]
+                self._deliver(reqs, info, raw, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _deliver(self, reqs: list[ReadItem], info: _StorageInfo, raw: bytes, planner: LoadPlanner) -> None:
+    def _deliver(self, reqs: list[ReadItem], info: _StorageInfo, raw: bytes | memoryview, planner: LoadPlanner) -> None:
         where = f"{self.store.url_for(info.relative_path)} (item {reqs[0].storage_index.fqn!r}, bytes {info.offset}+{info.length})"
         expected = self._checksums.get(reqs[0].storage_index)
         if expected is not None and zlib.crc32(raw) != expected:
@@ -169,7 +188,7 @@ class ObjectStoreReader(StorageReader):
                 planner.load_bytes(req, io.BytesIO(raw))
             return
         try:
-            stored = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            stored = load_tensor(raw)  # a view of raw: only read from, below
         except Exception as e:  # noqa: BLE001 - any failure here means bad bytes
             raise CorruptCheckpointError(f"{where}: cannot deserialize the tensor ({e})") from e
         for req in reqs:
@@ -190,6 +209,51 @@ class ObjectStoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return is_store_url(checkpoint_id)
+
+
+@dataclasses.dataclass
+class ByteRange:
+    """``[start, end)`` of object ``key``, and the stored items that lie in it."""
+
+    key: str
+    start: int
+    end: int
+    items: list[tuple[_StorageInfo, Any]]
+
+
+def coalesce(items: list[tuple[_StorageInfo, Any]], *, gap_bytes: int, max_bytes: int) -> list[ByteRange]:
+    """Group stored items into as few ranged reads as bounded memory allows.
+
+    Per object, items sorted by offset join the range before them when the
+    gap between them is at most ``gap_bytes``, or at most the bytes the range
+    already needs (so an object of which most is needed is fetched whole),
+    and the range stays within ``max_bytes`` (an item larger than that is a
+    range of its own; the store splits large ranges into concurrent part
+    GETs).  Ranges come in the order their objects first appear in
+    ``items``; ``items`` pairs each ``_StorageInfo`` with what the caller
+    wants back beside it.
+    """
+    by_object: dict[str, list[tuple[_StorageInfo, Any]]] = {}
+    for info, extra in items:
+        by_object.setdefault(info.relative_path, []).append((info, extra))
+    ranges: list[ByteRange] = []
+    for key, members in by_object.items():
+        members.sort(key=lambda m: m[0].offset)
+        current: ByteRange | None = None
+        needed = 0
+        for info, extra in members:
+            end = info.offset + info.length
+            if current is not None:
+                gap = info.offset - current.end
+                if gap <= max(gap_bytes, needed) and max(end, current.end) - current.start <= max_bytes:
+                    current.end = max(end, current.end)
+                    current.items.append((info, extra))
+                    needed += info.length
+                    continue
+            current = ByteRange(key, info.offset, end, [(info, extra)])
+            needed = info.length
+            ranges.append(current)
+    return ranges
 
 
 def read_metadata(store: ObjectStore, allow_globals: Iterable[Any] = ()) -> Metadata:
