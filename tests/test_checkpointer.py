@@ -9,6 +9,7 @@ from conftest import object_exists
 from dist_utils import run_ranks
 from workers import (
     checkpointer_killed_mid_upload,
+    checkpointer_load_errors,
     checkpointer_resume,
     checkpointer_returns_before_upload,
     checkpointer_save_steps,
@@ -55,11 +56,14 @@ def test_plans_are_exchanged_once_then_reused(world_size, planning, plan_collect
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_resume_reuses_persisted_plans_and_falls_back_on_change(world_size, bucket):
+def test_resume_reuses_persisted_plans_and_falls_back_on_change(world_size, bucket, proxy):
     root = f"s3://{bucket}/run"
     (_, final), *_ = run_ranks(checkpointer_three_saves, world_size, root, "central").values()
 
-    results = run_ranks(checkpointer_resume, world_size, root, False)
+    proxy.clear()
+    results = run_ranks(checkpointer_resume, world_size, root, False, proxy.endpoint)
+    # One GET of the resumed step's .metadata for the whole job, broadcast to the ranks.
+    assert [m for m, path in proxy.requests if path.split("?")[0].endswith("step_00000030/.metadata")] == ["GET"]
     for step, loaded, counts, reused, expected, reloaded in results.values():
         assert step == 30
         assert_same(loaded, final)  # resumed bit-exact from the latest step
@@ -148,6 +152,16 @@ def test_saving_a_committed_step_again_fails_on_every_rank(bucket):
     run_ranks(checkpointer_save_steps, 2, root, (1,), 0)
     with pytest.raises(AssertionError, match="step 1 is already committed"):
         run_ranks(checkpointer_save_steps, 2, root, (1,), 1)
+
+
+def test_a_load_that_cannot_succeed_fails_on_every_rank_and_the_group_goes_on(bucket):
+    root = f"s3://{bucket}/run"
+    results = run_ranks(checkpointer_load_errors, 2, root)
+    (errors0, loaded0), (errors1, loaded1) = results.values()
+    assert errors0 == errors1 and len(errors0) == 2
+    assert "no committed checkpoint to load" in errors0[0]
+    assert "step_00000099/.metadata: no metadata object" in errors0[1]
+    assert_same(loaded0, loaded1)
 
 
 def test_latest_step_ignores_incomplete_steps(bucket, s3):

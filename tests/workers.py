@@ -129,10 +129,10 @@ def checkpointer_three_saves(rank, world_size, root, planning):
     return out, gathered(sd)
 
 
-def checkpointer_resume(rank, world_size, root, change_structure):
+def checkpointer_resume(rank, world_size, root, change_structure, endpoint=None):
     """A fresh job: load the latest step, then save once more, counting collectives."""
     counts = count_collectives()
-    ckpt = dcpstore.AsyncCheckpointer(root)
+    ckpt = dcpstore.AsyncCheckpointer(root, storage_options={"endpoint_url": endpoint} if endpoint else None)
     sd = sharded_state_dict(world_size, 0, zeros=True)
     step = ckpt.load(sd)
     loaded = gathered(sd)
@@ -212,3 +212,19 @@ def checkpointer_returns_before_upload(rank, world_size, root, proxy_endpoint):
     visible_late = ckpt.store.exists("step_00000005/.metadata")
     ckpt.close()
     return done_after_save, committed_early, visible_early, visible_late
+
+
+def checkpointer_load_errors(rank, world_size, root):
+    """Loads that cannot succeed fail on every rank with the coordinator's error; the group stays usable."""
+    ckpt = dcpstore.AsyncCheckpointer(root)
+    sd = sharded_state_dict(world_size, 0, zeros=True)
+    errors = []
+    for step in (None, 99):
+        try:
+            ckpt.load(sd, step=step)
+        except dcpstore.CheckpointNotFoundError as e:
+            errors.append(str(e))
+    ckpt.save(sharded_state_dict(world_size, 0), step=1).result()
+    ckpt.load(sd, step=1)
+    ckpt.close()
+    return errors, gathered(sd)

@@ -117,7 +117,16 @@ class ObjectStoreReader(StorageReader):
         """
         if self.metadata is not None:
             return self.metadata
-        metadata = read_metadata(self.store, self.allow_globals)
+        return self.use_metadata_bytes(read_metadata_bytes(self.store))
+
+    def use_metadata_bytes(self, raw: bytes) -> Metadata:
+        """Adopt ``raw``, this checkpoint's ``.metadata`` fetched by someone else, as if read here.
+
+        ``AsyncCheckpointer.load`` GETs ``.metadata`` on one rank and
+        broadcasts its bytes; every rank still unpickles them itself, with its
+        own allow-list.
+        """
+        metadata = parse_metadata(raw, self.store.url_for(METADATA_KEY), self.allow_globals)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -265,14 +274,21 @@ def read_metadata(store: ObjectStore, allow_globals: Iterable[Any] = ()) -> Meta
     whatever shards lie there, that prefix is no checkpoint.  Its
     ``storage_data`` has passed ``check_storage_data``.
     """
-    url = store.url_for(METADATA_KEY)
+    return parse_metadata(read_metadata_bytes(store), store.url_for(METADATA_KEY), allow_globals)
+
+
+def read_metadata_bytes(store: ObjectStore) -> bytes:
+    """The ``.metadata`` object under ``store``'s root, not yet unpickled.
+
+    Raises ``CheckpointNotFoundError`` when there is none.
+    """
     try:
-        raw = store.get(METADATA_KEY)
+        return store.get(METADATA_KEY)
     except BucketNotFoundError:
         raise
     except ObjectNotFoundError:
+        url = store.url_for(METADATA_KEY)
         raise CheckpointNotFoundError(f"{url}: no metadata object: incomplete or missing checkpoint") from None
-    return parse_metadata(raw, url, allow_globals)
 
 
 def parse_metadata(raw: bytes, url: str, allow_globals: Iterable[Any] = ()) -> Metadata:
