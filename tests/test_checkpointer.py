@@ -5,11 +5,12 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcpstore
-from conftest import object_exists
+from conftest import object_exists, read_metadata_raw
 from dist_utils import run_ranks
 from workers import (
     checkpointer_killed_mid_upload,
     checkpointer_load_errors,
+    checkpointer_plan_changes_on_one_rank,
     checkpointer_resume,
     checkpointer_returns_before_upload,
     checkpointer_save_steps,
@@ -43,7 +44,8 @@ def test_save_returns_before_upload_finishes(bucket, proxy):
 )
 def test_plans_are_exchanged_once_then_reused(world_size, planning, plan_collective, bucket, s3):
     results = run_ranks(checkpointer_three_saves, world_size, f"s3://{bucket}/run", planning)
-    for rank, (saves, _) in results.items():
+    stored_items = len(read_metadata_raw(s3, bucket, "run/step_00000030").storage_data)
+    for rank, (saves, _, _) in results.items():
         counts = [c.get(plan_collective, 0) for c, _ in saves]
         assert counts == [1, 0, 0], (rank, saves)
         assert [reused for _, reused in saves] == [False, True, True]
@@ -53,12 +55,17 @@ def test_plans_are_exchanged_once_then_reused(world_size, planning, plan_collect
             assert [c.get("gather_object", 0) for c, _ in saves] == [2, 1, 1]
     for step in (10, 20, 30):
         assert object_exists(s3, bucket, f"run/step_{step:08d}/.metadata")
+    staged = [items for _, _, items in results.values()]
+    # Planned saves stage every rank's items, replicated ones on every rank;
+    # cached ones only what each rank writes: each stored item once in all.
+    assert sum(s[0] for s in staged) > stored_items
+    assert sum(s[1] for s in staged) == sum(s[2] for s in staged) == stored_items
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_resume_reuses_persisted_plans_and_falls_back_on_change(world_size, bucket, proxy):
     root = f"s3://{bucket}/run"
-    (_, final), *_ = run_ranks(checkpointer_three_saves, world_size, root, "central").values()
+    (_, final, _), *_ = run_ranks(checkpointer_three_saves, world_size, root, "central").values()
 
     proxy.clear()
     results = run_ranks(checkpointer_resume, world_size, root, False, proxy.endpoint)
@@ -162,6 +169,16 @@ def test_a_load_that_cannot_succeed_fails_on_every_rank_and_the_group_goes_on(bu
     assert "no committed checkpoint to load" in errors0[0]
     assert "step_00000099/.metadata: no metadata object" in errors0[1]
     assert_same(loaded0, loaded1)
+
+
+def test_a_replan_that_needs_an_unstaged_item_fails_loudly_once(bucket, s3):
+    results = run_ranks(checkpointer_plan_changes_on_one_rank, 2, f"s3://{bucket}/run")
+    (staged0, outcome0, loaded0), (staged1, outcome1, loaded1) = results.values()
+    assert (staged0, staged1) == (1, 1)  # rank 1 left the replicated tensor to rank 0
+    for outcome in (outcome0, outcome1):
+        assert "step_00000003 was not committed" in outcome and "were not staged" in outcome and "'replicated'" in outcome
+    assert not object_exists(s3, bucket, "run/step_00000003/.metadata")
+    assert loaded0 and loaded1  # the next save staged what the new plan needs
 
 
 def test_latest_step_ignores_incomplete_steps(bucket, s3):

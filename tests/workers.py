@@ -120,13 +120,14 @@ def checkpointer_three_saves(rank, world_size, root, planning):
     counts = count_collectives()
     ckpt = dcpstore.AsyncCheckpointer(root, planning=planning)
     sd = sharded_state_dict(world_size, 0)
-    out = []
+    out, staged = [], []
     for i, step in enumerate((10, 20, 30)):
         sd["optim"]["step"] = 10 ** (3 * i)  # pickled size changes from save to save
         sd["model"]["replicated"].add_(1)
         out.append(_save_counted(ckpt, counts, sd, step))
+        staged.append(ckpt.last_stats.staged_items)
     ckpt.close()
-    return out, gathered(sd)
+    return out, gathered(sd), staged
 
 
 def checkpointer_resume(rank, world_size, root, change_structure, endpoint=None):
@@ -228,3 +229,32 @@ def checkpointer_load_errors(rank, world_size, root):
     ckpt.load(sd, step=1)
     ckpt.close()
     return errors, gathered(sd)
+
+
+def checkpointer_plan_changes_on_one_rank(rank, world_size, root):
+    """Rank 0's structure changes while rank 1 saves from its cached plan.
+
+    Rank 1 stages only what its cached plan writes; the replan (torch's dedup
+    is greedy in item order) then gives it the replicated tensor it did not
+    stage.  That step must fail on every rank, and the next one commit.
+    """
+    ckpt = dcpstore.AsyncCheckpointer(root)
+    replicated = torch.arange(100.0)
+    sd = {"replicated": replicated, **({"q1": torch.randn(10)} if rank == 1 else {})}
+    ckpt.save(sd, step=1)
+    ckpt.save(sd, step=2)
+    ckpt.wait()
+    staged_cached = ckpt.last_stats.staged_items
+    if rank == 0:
+        sd = {"a_p0": torch.randn(10_000), "replicated": replicated}
+    try:
+        ckpt.save(sd, step=3)
+        ckpt.wait()
+        outcome = "committed"
+    except dcpstore.CheckpointSaveError as e:
+        outcome = str(e)
+    ckpt.save(sd, step=4).result()
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    ckpt.load(out, step=4)
+    ckpt.close()
+    return staged_cached, outcome, all(torch.equal(out[k], sd[k]) for k in sd)

@@ -74,11 +74,13 @@ class SaveStats:
 
     step: int
     blocking_s: float = 0.0  # time save() held the training thread
+    exists_check_s: float = 0.0  # waiting for staged copies, and the HEAD that refuses a committed step early
     planning_s: float = 0.0  # flag all-reduce, plus plan exchange when not cached
     plan_reused: bool = False
     upload_s: float = 0.0
     commit_s: float = 0.0
     staged_bytes: int = 0
+    staged_items: int = 0  # with a cached plan, only the items this rank writes
 
 
 class SaveHandle:
@@ -280,11 +282,16 @@ class AsyncCheckpointer:
             planner = self.planner_factory()
             planner.set_up_planner(state_dict=state_dict, storage_meta=None, is_coordinator=self._coll.is_coordinator)
             local_plan = self._usable_local_plan(planner)
-            staged = pool.stage(list(local_plan.items), planner)
+            # With a cached plan, stage only the items this rank writes: a
+            # replicated item is copied to host by the one rank the plan's
+            # dedup gave it to, not by every rank that holds it.
+            cached = self.plan_cache.lookup(local_plan, self.world_size)
+            staged = pool.stage(list((cached.central_plan if cached else local_plan).items), planner)
         except Exception as e:
             self._executor.submit(self._run, _SaveJob(step, url, None, None, None, stats, error=e))
             raise
         stats.staged_bytes = staged.nbytes
+        stats.staged_items = len(staged)
         job = _SaveJob(step, url, planner, local_plan, staged, stats)
         future = self._executor.submit(self._run, job)
         stats.blocking_s = time.perf_counter() - t0
@@ -364,6 +371,8 @@ class AsyncCheckpointer:
                     )
             except Exception as e:  # noqa: BLE001 - must still join the collective below
                 error = e
+        job.stats.exists_check_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
         cached = self.plan_cache.lookup(job.local_plan, self.world_size) if error is None else None
         reuse, all_ok = self._coll.all_min([int(cached is not None), int(error is None)])
         if not all_ok:
@@ -381,6 +390,13 @@ class AsyncCheckpointer:
         results, error = None, None
         try:
             final_plan = job.planner.finish_plan(central_plan)
+            unstaged = job.staged.missing(final_plan.items)
+            if unstaged:
+                raise RuntimeError(
+                    f"{len(unstaged)} items this rank must write were not staged (e.g. {unstaged[0].index.fqn!r}): "
+                    "another rank's plan changed after this rank staged only the items of its cached plan; "
+                    "the next save stages them"
+                )
             results = writer.write_data(final_plan, job.staged).value()
         except Exception as e:  # noqa: BLE001 - reported to the coordinator
             error = e

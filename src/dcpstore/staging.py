@@ -40,6 +40,13 @@ class StagedItems:
     def resolve_data(self, item: WriteItem) -> Any:
         return self._data[item.index]
 
+    def missing(self, items: list[WriteItem]) -> list[WriteItem]:
+        """The ``items`` that were not staged."""
+        return [item for item in items if item.index not in self._data]
+
+    def __len__(self) -> int:
+        return len(self._data)
+
     @property
     def nbytes(self) -> int:
         return sum(
