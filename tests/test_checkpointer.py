@@ -8,6 +8,7 @@ import dcpstore
 from conftest import object_exists, read_metadata_raw
 from dist_utils import run_ranks
 from workers import (
+    checkpointer_keep_last,
     checkpointer_killed_mid_upload,
     checkpointer_load_errors,
     checkpointer_plan_changes_on_one_rank,
@@ -134,6 +135,11 @@ def test_keep_last_prunes_only_committed_older_steps(bucket, s3):
     out = {"w": torch.zeros(4), "step": 0}
     assert ckpt.load(out) == 3 and out["step"] == 3
     ckpt.close()
+
+
+def test_every_rank_lists_the_coordinators_steps_after_pruning(bucket):
+    results = run_ranks(checkpointer_keep_last, 2, f"s3://{bucket}/run")
+    assert results[0] == results[1] == [[1], [1, 2], [2, 3], [3, 4]]
 
 
 def test_single_process_cpu_path_and_staging_isolation(bucket):

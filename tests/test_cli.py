@@ -25,14 +25,41 @@ def run_root(bucket, s3):
     return root, upload["UploadId"]
 
 
-def test_ls(run_root, capsys):
+def test_ls(run_root, s3, bucket, capsys):
     root, _ = run_root
+    s3.create_multipart_upload(Bucket=bucket, Key="run-7/step_00000400/__0_0.distcp")  # a save's first part in flight
     assert main(["ls", root]) == 0
     out = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split() for line in out[1:]}
     assert rows["100"][1] == "committed" and rows["200"][1] == "committed"
     assert rows["300"][1] == "incomplete" and rows["300"][-1] == "1"  # one open upload
+    assert rows["400"][1] == "incomplete" and rows["400"][4] == "0" and rows["400"][-1] == "1"  # no object yet
+    assert list(rows) == ["100", "200", "300", "400"]
     assert "WORLD" not in out[0]  # ls reads no metadata; inspect shows the world size
+
+
+def test_ls_on_a_server_without_list_multipart_uploads(run_root, proxy, capsys, monkeypatch):
+    root, _ = run_root
+    rule = proxy.add("GET", r"\?uploads", status=501, code="NotImplemented")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    assert main(["ls", root]) == 0
+    captured = capsys.readouterr()
+    assert "open multipart uploads could not be listed" in captured.err
+    assert {line.split()[0] for line in captured.out.splitlines()[1:]} == {"100", "200", "300"}
+    assert rule.hits == 1  # 501 is not retried
+
+
+def test_ls_and_help_do_not_import_torch(run_root):
+    root, _ = run_root
+    code = (
+        "import sys\n"
+        "from dcpstore.cli import main\n"
+        f"assert main(['ls', {root!r}]) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "committed" in out.stdout
 
 
 def test_inspect_json_and_text(run_root, capsys):

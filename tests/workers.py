@@ -258,3 +258,15 @@ def checkpointer_plan_changes_on_one_rank(rank, world_size, root):
     ckpt.load(out, step=4)
     ckpt.close()
     return staged_cached, outcome, all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def checkpointer_keep_last(rank, world_size, root):
+    """What each rank lists after every save of a keep_last=2 run."""
+    ckpt = dcpstore.AsyncCheckpointer(root, keep_last=2)
+    sd = sharded_state_dict(world_size, 0)
+    listed = []
+    for step in (1, 2, 3, 4):
+        ckpt.save(sd, step=step)
+        listed.append(ckpt.committed_steps())
+    ckpt.close()
+    return listed

@@ -451,6 +451,10 @@ class AsyncCheckpointer:
                         writer.finish(metadata, gathered)
                     except Exception as e:  # noqa: BLE001
                         outcome[self.rank] = f"writing .metadata failed: {_describe(e)}"
+                if not outcome and self.keep_last is not None:
+                    # Before the outcome goes out: once a save is done on any
+                    # rank, every rank's committed_steps() lists what is kept.
+                    self._prune()
             outcome = outcome or None
         try:
             outcome = self._coll.broadcast(outcome)
@@ -466,11 +470,6 @@ class AsyncCheckpointer:
             if results:  # the coordinator decided not to commit: these shards are garbage
                 writer.delete_shards(results)
             raise CheckpointSaveError(job.url, outcome) from error
-        if self._coll.is_coordinator and self.keep_last is not None:
-            try:
-                self._prune()
-            except Exception as e:  # noqa: BLE001 - the step is committed; pruning is best effort
-                logger.warning("%s: keep_last=%d pruning failed: %s", self.root, self.keep_last, e)
 
     def _committed_in_storage(self, job: _SaveJob, results) -> bool:
         """Whether step ``job.step`` is committed with this rank's shards in it.
@@ -501,14 +500,26 @@ class AsyncCheckpointer:
         raise CheckpointSaveError(url, {r: m for r, m in enumerate(messages) if m is not None}) from error
 
     def _prune(self) -> None:
-        """Delete committed steps beyond the newest ``keep_last`` (coordinator only)."""
-        steps = committed_steps(self.store)
-        for step in steps[: -self.keep_last]:
-            delete_committed_step(self.store, step_prefix(step))
+        """Delete committed steps beyond the newest ``keep_last`` (coordinator only); best effort.
+
+        The step just committed stays whatever happens here: a failure is logged.
+        """
+        try:
+            steps = committed_steps(self.store)
+            for step in steps[: -self.keep_last]:
+                delete_committed_step(self.store, step_prefix(step))
+        except Exception as e:  # noqa: BLE001
+            logger.warning("%s: keep_last=%d pruning failed: %s", self.root, self.keep_last, e)
 
     # -- reading ------------------------------------------------------------------------
 
     def committed_steps(self) -> list[int]:
+        """Committed steps under the root, oldest first, after waiting for pending saves.
+
+        Every rank lists the same steps: a save completes on a rank only
+        after the coordinator has committed it and pruned beyond ``keep_last``.
+        """
+        self.wait()
         return committed_steps(self.store)
 
     def latest_step(self) -> int | None:

@@ -15,22 +15,20 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import io
 import json
 import sys
 import time
 import zlib
 
-import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from tqdm import tqdm
 
-from . import planner_data
 from .errors import DcpstoreError, UnsafeCheckpointError, UnsupportedByStoreError
-from .layout import METADATA_KEY, delete_committed_step, list_steps, step_prefix
-from .reader import read_metadata
-from .safe_pickle import check_bytes_item
+from .layout import METADATA_KEY, StepInfo, delete_committed_step, list_steps, parse_step, step_prefix
 from .storage import ObjectStore, open_store
+
+# torch (and the modules that need it) are imported by the commands that read
+# checkpoint contents, not here: ``--help``, ``ls`` and ``gc`` only list and
+# delete objects, and torch's import alone takes seconds on a small machine.
 
 
 def _size(n: float) -> str:
@@ -43,6 +41,11 @@ def _size(n: float) -> str:
 
 def _when(ts: float | None) -> str:
     return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
+
+
+def _tty() -> bool:
+    """Progress bars only for a person watching: not in logs, pipes or CI."""
+    return sys.stderr.isatty()
 
 
 # -- commands -------------------------------------------------------------------------------
@@ -60,6 +63,14 @@ def cmd_ls(args) -> int:
     if not steps and not uploads:
         print(f"no steps under {args.root}")
         return 0
+    # A save whose first shards are still multipart uploads has no object yet.
+    listed = {s.prefix for s in steps}
+    steps += [
+        StepInfo(step=parse_step(prefix), prefix=prefix, committed=False, size=0, objects=0, last_modified=None)
+        for prefix in open_by_step
+        if prefix not in listed and parse_step(prefix) is not None
+    ]
+    steps.sort(key=lambda s: s.step)
     print(f"{'STEP':>10}  {'STATUS':<11} {'SIZE':>10} {'OBJECTS':>7}  {'WRITTEN (UTC)':<19}  OPEN UPLOADS")
     for s in steps:
         status = "committed" if s.committed and s.prefix not in open_by_step else "incomplete"
@@ -71,6 +82,11 @@ def cmd_ls(args) -> int:
 
 
 def summarize(store: ObjectStore) -> dict:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    from . import planner_data
+    from .reader import read_metadata
+
     metadata = read_metadata(store)
     tensors, byte_items = [], []
     for fqn, md in sorted(metadata.state_dict_metadata.items()):
@@ -112,6 +128,13 @@ def cmd_inspect(args) -> int:
 
 def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
     """Problems found in the checkpoint at ``store``'s root; empty when it is sound."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    from . import planner_data
+    from .reader import read_metadata
+    from .safe_pickle import check_bytes_item
+    from .tensor_archive import load_tensor
+
     metadata = read_metadata(store)
     storage = metadata.storage_data or {}
     sizes = {o.key: o.size for o in store.list()}
@@ -127,7 +150,7 @@ def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
             )
     if not deep or problems:
         return problems
-    for index, info in tqdm(list(storage.items()), desc="verify", unit="item", disable=not progress):
+    for index, info in tqdm(list(storage.items()), desc="verify", unit="item", disable=not (progress and _tty())):
         where = f"{store.url_for(info.relative_path)} ({index.fqn!r})"
         raw = store.get_range(info.relative_path, info.offset, info.offset + info.length)
         if index in checksums and zlib.crc32(raw) != checksums[index]:
@@ -136,7 +159,7 @@ def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
         md = metadata.state_dict_metadata.get(index.fqn)
         if isinstance(md, TensorStorageMetadata):
             try:
-                tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+                tensor = load_tensor(raw)
             except Exception as e:  # noqa: BLE001
                 problems.append(f"{where}: does not deserialize ({e})")
                 continue
@@ -208,12 +231,12 @@ def cmd_gc(args) -> int:
         print(f"{verb} committed step {s.step} (beyond --keep-last {args.keep_last})")
     if args.dry_run:
         return 0
-    for u in tqdm(uploads, desc="abort uploads", unit="upload", disable=len(uploads) < 20):
+    for u in tqdm(uploads, desc="abort uploads", unit="upload", disable=len(uploads) < 20 or not _tty()):
         store.abort_upload(u.key, u.upload_id)
     deleted = 0
-    for s in tqdm(incomplete, desc="delete incomplete steps", unit="step", disable=len(incomplete) < 5):
+    for s in tqdm(incomplete, desc="delete incomplete steps", unit="step", disable=len(incomplete) < 5 or not _tty()):
         deleted += delete_incomplete_step(store, s)
-    for s in tqdm(pruned, desc="delete steps", unit="step", disable=len(pruned) < 5):
+    for s in tqdm(pruned, desc="delete steps", unit="step", disable=len(pruned) < 5 or not _tty()):
         delete_committed_step(store, s.prefix)
     print(f"done: {deleted} incomplete and {len(pruned)} committed steps deleted, {len(uploads)} uploads aborted")
     return 0
