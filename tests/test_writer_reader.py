@@ -297,3 +297,37 @@ def test_missing_bucket_on_multipart_save_is_named(moto_endpoint):
     transfer = dcpstore.TransferConfig(part_size=5 << 20)
     with pytest.raises(BaseException, match="bucket 'no-such-bucket-z' does not exist"):
         save(big, "s3://no-such-bucket-z/ckpt", transfer=transfer)
+
+
+def _original_error(exc_info) -> BaseException:
+    """The rank's own exception inside torch's CheckpointException (as the README shows)."""
+    ((error, _traceback),) = exc_info.value.failures.values()
+    return error
+
+
+@pytest.mark.parametrize("op", ["save", "load"])
+def test_plain_dcp_reports_a_missing_bucket_with_our_error(op, moto_endpoint):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    url = "s3://no-such-bucket-dcp/ckpt"
+    with pytest.raises(CheckpointException) as e:
+        (save if op == "save" else load)({"w": torch.zeros(4)}, url)
+    if op == "save":
+        error = _original_error(e)
+        assert isinstance(error, dcpstore.BucketNotFoundError)
+        assert "s3://no-such-bucket-dcp/ckpt/" in str(error) and "does not exist" in str(error)
+    else:  # torch reports the load's metadata failure as text
+        assert "s3://no-such-bucket-dcp/ckpt/.metadata: bucket 'no-such-bucket-dcp' does not exist" in str(e.value)
+
+
+def test_plain_dcp_reports_an_unreachable_endpoint_with_our_error():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dcpstore.local_s3 import free_port
+
+    options = {"endpoint_url": f"http://127.0.0.1:{free_port()}"}  # nothing listens there
+    with pytest.raises(CheckpointException) as e:
+        save({"w": torch.zeros(4)}, "s3://b/ckpt", storage_options=options)
+    error = _original_error(e)
+    assert isinstance(error, dcpstore.TransientStorageError)
+    assert "s3://b/ckpt/.metadata" in str(error) and "Could not connect" in str(error)
