@@ -238,3 +238,16 @@ def test_cuda_staging_waits_for_each_items_kernels(bucket):
     for k in sd:
         assert torch.equal(out[k].cpu(), expected[k]), k
     ckpt.close()
+
+
+def test_an_unpicklable_value_raises_at_save_naming_its_key(bucket):
+    ckpt = dcpstore.AsyncCheckpointer(f"s3://{bucket}/run")
+    sd = {"w": torch.arange(4.0), "optim": {"schedule": lambda step: 0.1}}
+    with pytest.raises(dcpstore.UnpicklableValueError, match="state dict key 'optim.schedule'"):
+        ckpt.save(sd, step=1)
+    assert ckpt.wait() == []  # reported once, at save()
+    sd["optim"]["schedule"] = 0.1
+    ckpt.save(sd, step=2)
+    ckpt.wait()
+    assert ckpt.committed_steps() == [2]
+    ckpt.close()

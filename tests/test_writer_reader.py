@@ -331,3 +331,12 @@ def test_plain_dcp_reports_an_unreachable_endpoint_with_our_error():
     error = _original_error(e)
     assert isinstance(error, dcpstore.TransientStorageError)
     assert "s3://b/ckpt/.metadata" in str(error) and "Could not connect" in str(error)
+
+
+def test_plain_dcp_save_names_the_key_of_an_unpicklable_value(bucket):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with pytest.raises(CheckpointException) as e:
+        save({"w": torch.zeros(4), "optim": {"schedule": lambda step: 0.1}}, f"s3://{bucket}/ckpt")
+    error = _original_error(e)
+    assert isinstance(error, dcpstore.UnpicklableValueError) and "'optim.schedule'" in str(error)

@@ -60,6 +60,10 @@ class TransientStorageError(DcpstoreError, OSError):
     """A request kept failing with retryable errors until the retry budget ran out."""
 
 
+class UnpicklableValueError(DcpstoreError, TypeError):
+    """A non-tensor value of the state dict cannot be pickled; the message names its key."""
+
+
 class UnsupportedByStoreError(DcpstoreError, OSError):
     """The store does not implement a request (HTTP 501), e.g. ``ListMultipartUploads`` on some servers."""
 

@@ -24,6 +24,24 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
+from .errors import UnpicklableValueError
+
+
+def resolve_item(planner: SavePlanner, item: WriteItem) -> Any:
+    """``planner.resolve_data(item)``, naming the state-dict key when a non-tensor value cannot be pickled.
+
+    The planner pickles non-tensor values here; pickle's own error (a lambda,
+    a lock, a local class) says what failed but not where in the state dict.
+    """
+    try:
+        return planner.resolve_data(item)
+    except Exception as e:
+        if item.type != WriteItemType.BYTE_IO:
+            raise
+        raise UnpicklableValueError(
+            f"state dict key {item.index.fqn!r}: its value cannot be saved ({type(e).__name__}: {e})"
+        ) from e
+
 
 class StagedItems:
     """Staged data of one save; quacks like a planner for ``ObjectStoreWriter.write_data``."""
@@ -77,7 +95,7 @@ class StagingPool:
         staged: dict[MetadataIndex, Any] = {}
         used_streams: dict[torch.device, torch.cuda.Stream] = {}
         for item in items:
-            data = planner.resolve_data(item)
+            data = resolve_item(planner, item)
             if item.type == WriteItemType.BYTE_IO:
                 staged[item.index] = io.BytesIO(data.getvalue())
                 continue

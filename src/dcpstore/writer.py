@@ -68,9 +68,10 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import planner_data
-from .errors import CheckpointExistsError, ConditionalWriteError, ObjectNotFoundError
+from .errors import CheckpointExistsError, ConditionalWriteError, DcpstoreError, ObjectNotFoundError
 from .layout import METADATA_KEY
 from .reader import parse_metadata
+from .staging import resolve_item
 from .storage import ObjectStore, ObjectWriter, TransferConfig, is_store_url, normalize_url, open_store
 
 logger = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ def write_items(
     results = []
     checked = _ChecksummingStream(stream)
     for item in items:
-        data = planner.resolve_data(item)
+        data = resolve_item(planner, item)
         offset = stream.tell()
         checked.crc = 0
         try:
@@ -368,7 +369,7 @@ class ObjectStoreWriter(StorageWriter):
                 errors.append((name, e))
         if errors:
             name, first = errors[0]
-            if isinstance(first, OSError):  # storage errors already name the object
+            if isinstance(first, (OSError, DcpstoreError)):  # ours name the object or the key already
                 raise first
             raise RuntimeError(f"{self.store.url_for(name)}: could not serialize: {first!r}") from first
         out: Future[list[WriteResult]] = Future()
