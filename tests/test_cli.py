@@ -169,3 +169,13 @@ def test_gc_on_a_server_without_list_multipart_uploads(run_root, proxy, capsys):
     assert [s.step for s in incomplete] == [300] and uploads == []
     assert rule.hits == 1  # 501 is not retried
     assert "open multipart uploads could not be listed" in capsys.readouterr().err
+
+
+def test_verify_deep_reads_zstd_compressed_items(bucket, capsys):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._extension import ZStandard
+
+    url = f"s3://{bucket}/zstd"
+    writer = dcpstore.ObjectStoreWriter(url, _extensions=[ZStandard()])
+    dcp.save({"w": torch.randn(64, 8), "step": 3}, storage_writer=writer, no_dist=True)
+    assert main(["verify", url, "--deep"]) == 0, capsys.readouterr().out

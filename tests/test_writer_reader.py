@@ -340,3 +340,42 @@ def test_plain_dcp_save_names_the_key_of_an_unpicklable_value(bucket):
         save({"w": torch.zeros(4), "optim": {"schedule": lambda step: 0.1}}, f"s3://{bucket}/ckpt")
     error = _original_error(e)
     assert isinstance(error, dcpstore.UnpicklableValueError) and "'optim.schedule'" in str(error)
+
+
+def test_zstd_extension_interop_both_ways(bucket, s3):
+    from torch.distributed.checkpoint._extension import ZStandard
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    sd = sample_state_dict(3)
+    sd["model"]["zeros"] = torch.zeros(4096)  # compresses: the transform really ran
+    ours = f"s3://{bucket}/ours"
+    save(sd, ours, _extensions=[ZStandard()])
+    stored = read_metadata_raw(s3, bucket, "ours").storage_data
+    assert all(info.transform_descriptors == ["stream.zstd/1"] for info in stored.values())
+    zeros = next(info for index, info in stored.items() if index.fqn == "model.zeros")
+    assert zeros.length < 4096 * 4 // 10
+    assert_state_dict_equal(load(zeros_like_state_dict(sd), ours), sd)
+    theirs_loaded = zeros_like_state_dict(sd)
+    dcp.load(theirs_loaded, storage_reader=FsspecReader(ours), no_dist=True)
+    assert_state_dict_equal(theirs_loaded, sd)
+
+    theirs = f"s3://{bucket}/theirs"
+    dcp.save(sd, storage_writer=FsspecWriter(theirs, _extensions=[ZStandard()]), no_dist=True)
+    assert_state_dict_equal(load(zeros_like_state_dict(sd), theirs), sd)
+
+
+def test_an_unknown_stream_extension_is_a_clear_error(bucket, s3):
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    url = f"s3://{bucket}/ckpt"
+    sd = {"w": torch.arange(8.0)}
+    save(sd, url)
+    metadata = read_metadata_raw(s3, bucket, "ckpt")
+    for info in metadata.storage_data.values():
+        info.transform_descriptors = ["stream.rot13/1"]
+    s3.put_object(Bucket=bucket, Key="ckpt/.metadata", Body=pickle.dumps(metadata))
+    with pytest.raises(CheckpointException) as e:
+        load({"w": torch.zeros(8)}, url, verify_checksums=False)
+    error = _original_error(e)
+    assert isinstance(error, dcpstore.CorruptCheckpointError)
+    assert "stream.rot13/1" in str(error) and "Unknown extension" in str(error)

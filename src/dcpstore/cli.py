@@ -131,7 +131,9 @@ def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     from . import planner_data
-    from .reader import read_metadata
+    from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+
+    from .reader import read_metadata, undo_transforms
     from .safe_pickle import check_bytes_item
     from .tensor_archive import load_tensor
 
@@ -139,6 +141,7 @@ def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
     storage = metadata.storage_data or {}
     sizes = {o.key: o.size for o in store.list()}
     checksums = planner_data.read_checksums(metadata)
+    transforms = _StorageReaderTransforms()  # torch's default registry: ZStandard
     problems = []
     for index, info in storage.items():
         if info.relative_path not in sizes:
@@ -157,6 +160,11 @@ def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
             problems.append(f"{where}: checksum mismatch")
             continue
         md = metadata.state_dict_metadata.get(index.fqn)
+        try:
+            raw = undo_transforms(raw, info, transforms, where)
+        except DcpstoreError as e:
+            problems.append(str(e))
+            continue
         if isinstance(md, TensorStorageMetadata):
             try:
                 tensor = load_tensor(raw)

@@ -30,7 +30,8 @@ from typing import Any, Iterable
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint._extension import ExtensionRegistry
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -71,6 +72,9 @@ class ObjectStoreReader(StorageReader):
             pairs) to trust beyond the defaults, in ``.metadata`` (a custom
             ``planner_data`` type) and in non-tensor items.  Globals registered
             with ``torch.serialization.add_safe_globals`` are trusted too.
+        _extension_registry: the stream extensions items may have been
+            written with (torch's ``ExtensionRegistry``; ``ZStandard`` is in
+            the default one), as ``FileSystemReader`` takes it.
         allow_unsafe_pickle: hand non-tensor items to the planner without
             validating them, as torch's readers do.  The default
             ``DefaultLoadPlanner`` then runs ``torch.load(weights_only=False)``
@@ -89,8 +93,10 @@ class ObjectStoreReader(StorageReader):
         verify_checksums: bool = True,
         allow_globals: Iterable[Any] = (),
         allow_unsafe_pickle: bool = False,
+        _extension_registry: ExtensionRegistry | None = None,
     ):
         super().__init__()
+        self.transforms = _StorageReaderTransforms(_extension_registry)
         self.storage_options = dict(storage_options or {})
         self.transfer = transfer or TransferConfig()
         self.readahead_bytes = readahead_bytes
@@ -188,8 +194,7 @@ class ObjectStoreReader(StorageReader):
         expected = self._checksums.get(reqs[0].storage_index)
         if expected is not None and zlib.crc32(raw) != expected:
             raise CorruptCheckpointError(f"{where}: checksum mismatch, the shard object is corrupted")
-        if info.transform_descriptors:
-            raise CorruptCheckpointError(f"{where}: stream transforms {info.transform_descriptors} are not supported")
+        raw = undo_transforms(raw, info, self.transforms, where)
         if reqs[0].type == LoadItemType.BYTE_IO:
             if not self.allow_unsafe_pickle:
                 check_bytes_item(raw, where, self.allow_globals)
@@ -218,6 +223,22 @@ class ObjectStoreReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return is_store_url(checkpoint_id)
+
+
+def undo_transforms(raw: bytes | memoryview, info: _StorageInfo, transforms: _StorageReaderTransforms, where: str):
+    """The item's ``torch.save`` bytes from its stored bytes: undo its stream extensions, if any.
+
+    The descriptors come from the bucket but only name extensions registered
+    in this process (``ExtensionRegistry``); nothing from the bucket runs.
+    """
+    if not info.transform_descriptors:
+        return raw
+    try:
+        return transforms.transform_load_stream(None, info.transform_descriptors, io.BytesIO(raw)).read(-1)
+    except Exception as e:  # noqa: BLE001 - an unknown extension, or bytes it cannot decode
+        raise CorruptCheckpointError(
+            f"{where}: cannot undo the stream transforms {list(info.transform_descriptors)} ({e})"
+        ) from e
 
 
 @dataclasses.dataclass

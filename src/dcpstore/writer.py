@@ -52,15 +52,17 @@ import uuid
 import weakref
 import zlib
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
     DEFAULT_SUFFIX,
     _split_by_size_and_type,
     _StorageInfo,
     _StoragePrefix,
+    _StorageWriterTransforms,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -176,8 +178,14 @@ def write_items(
     relative_path: str,
     items: list[WriteItem],
     planner: SavePlanner,
+    transforms: _StorageWriterTransforms,
 ) -> list[ChecksummedWriteResult]:
-    """Serialize ``items`` back to back into ``stream``, as torch's FileSystemWriter lays them out."""
+    """Serialize ``items`` back to back into ``stream``, as torch's FileSystemWriter lays them out.
+
+    Each item goes through ``transforms`` (torch's stream extensions, e.g.
+    ``ZStandard``) and is recorded with their descriptors, as torch's
+    writer records them; the crc32 covers the stored (transformed) bytes.
+    """
     results = []
     checked = _ChecksummingStream(stream)
     for item in items:
@@ -185,10 +193,12 @@ def write_items(
         offset = stream.tell()
         checked.crc = 0
         try:
+            transform_to, descriptors = transforms.transform_save_stream(item, checked)
             if item.type == WriteItemType.BYTE_IO:
-                checked.write(data.getbuffer())
+                transform_to.write(data.getbuffer())
             else:
-                torch.save(_cpu_tensor(data), checked)
+                torch.save(_cpu_tensor(data), transform_to)
+            transform_to.close()
         except Exception:
             if checked.error is not None:
                 raise checked.error from None
@@ -198,7 +208,7 @@ def write_items(
             ChecksummedWriteResult(
                 index=item.index,
                 size_in_bytes=length,
-                storage_data=_StorageInfo(relative_path, offset, length),
+                storage_data=_StorageInfo(relative_path, offset, length, transform_descriptors=descriptors or None),
                 crc32=checked.crc,
             )
         )
@@ -227,6 +237,9 @@ class ObjectStoreWriter(StorageWriter):
         objects_per_rank: shard objects per rank, uploaded concurrently.
         transfer: part size, concurrency, timeouts and retries.
         checksums: record a crc32 per item, checked on load.
+        _extensions: torch's stream extensions applied to every item, as
+            ``FileSystemWriter(_extensions=...)`` takes them (EXPERIMENTAL
+            in torch, hence the underscore), e.g. ``[ZStandard()]``.
     """
 
     def __init__(
@@ -238,10 +251,12 @@ class ObjectStoreWriter(StorageWriter):
         objects_per_rank: int = 4,
         transfer: TransferConfig | None = None,
         checksums: bool = True,
+        _extensions: Sequence[StreamTransformExtension] | None = None,
     ):
         super().__init__()
         if objects_per_rank < 1:
             raise ValueError("objects_per_rank must be >= 1")
+        self.transforms = _StorageWriterTransforms(_extensions)
         self.storage_options = dict(storage_options or {})
         self.transfer = transfer or TransferConfig()
         self.overwrite = overwrite
@@ -353,7 +368,7 @@ class ObjectStoreWriter(StorageWriter):
 
         def upload(name: str, items: list[WriteItem]) -> list[ChecksummedWriteResult]:
             with self.store.open_writer(name) as stream:
-                return write_items(stream, name, items, planner)
+                return write_items(stream, name, items, planner, self.transforms)
 
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(
