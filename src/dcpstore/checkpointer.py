@@ -556,6 +556,7 @@ class AsyncCheckpointer:
             self._closed = True
             self._executor.shutdown(wait=True)
             self._writer.close()
+            self.store.close()
             for pool in self._pools:
                 pool.clear()
 
