@@ -42,7 +42,6 @@ class TransferConfig:
     """
 
     part_size: int = 16 * MiB
-    multipart_threshold: int = 16 * MiB
     max_concurrency: int = 16
     connect_timeout: float = 10.0
     read_timeout: float = 120.0
