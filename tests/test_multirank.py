@@ -1,13 +1,21 @@
 """ObjectStoreWriter / Reader under dcp.save / dcp.load on real gloo groups (world size 2 and 4)."""
 
+import os
 import re
+import time
 
 import pytest
 import torch
 
 from conftest import object_exists, read_metadata_raw
-from dist_utils import run_ranks
-from workers import full_tensors, load_sharded, save_sharded, save_with_failing_rank
+from dist_utils import deadline_scale, run_ranks
+from workers import (
+    async_save_in_checkpoint_process,
+    full_tensors,
+    load_sharded,
+    save_sharded,
+    save_with_failing_rank,
+)
 
 import dcpstore
 
@@ -59,3 +67,25 @@ def test_failed_upload_on_one_rank_leaves_no_metadata(bucket, s3, proxy):
         assert message is not None, f"rank {rank} did not raise"
         assert f"s3://{bucket}/ckpt/__1_" in message and "access denied" in message
     assert not object_exists(s3, bucket, "ckpt/.metadata")
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_async_save_in_a_checkpoint_process(bucket):
+    """``dcp.async_save(..., PROCESS)``: the writer travels to torch's checkpoint process and back out."""
+    url = f"s3://{bucket}/ckpt"
+    timeout = 120 * deadline_scale()
+    pids = run_ranks(async_save_in_checkpoint_process, 2, url, timeout)
+    for r in run_ranks(load_sharded, 2, url, "dcpstore").values():
+        assert_loaded(r)
+    # The checkpoint processes end with their ranks instead of outliving the job.
+    deadline = time.monotonic() + 30 * deadline_scale()
+    while any(_running(pid) for pid in pids.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)  # polling for an exit there is no event for
+    assert not [pid for pid in pids.values() if _running(pid)]

@@ -412,7 +412,7 @@ def test_stock_fsspec_writer_checkpoints_load_with_plan_caching(bucket):
 def test_no_unrestricted_unpickling_in_dcpstore():
     """No call in dcpstore unpickles without restrictions: plain pickle, or torch.load(weights_only=False)."""
     src = pathlib.Path(dcpstore.__file__).parent
-    for path in src.glob("*.py"):
+    for path in src.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call):
                 continue

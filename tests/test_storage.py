@@ -21,7 +21,7 @@ from dcpstore.storage import S3ObjectStore, open_store
 from s3server import MotoServer, free_port
 
 MiB = 1 << 20
-SMALL_PARTS = TransferConfig(part_size=5 * MiB, multipart_threshold=5 * MiB, max_concurrency=4)
+SMALL_PARTS = TransferConfig(part_size=5 * MiB, max_concurrency=4)
 
 
 def test_put_get_list_delete(bucket):

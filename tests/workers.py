@@ -81,6 +81,24 @@ def load_sharded(rank, world_size, url, reader):
     return gathered(sd)
 
 
+def async_save_in_checkpoint_process(rank, world_size, url, timeout):
+    """``dcp.async_save`` through torch's checkpoint process; returns that process's pid.
+
+    torch pickles the writer into its checkpoint process with every save,
+    and that process joins a gloo group of its own (on ``MASTER_ADDR``).
+    """
+    from torch.distributed.checkpoint import _async_process_executor
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    sd = sharded_state_dict(world_size, 0)
+    writer = dcpstore.ObjectStoreWriter(url, objects_per_rank=2)
+    response = dcp.async_save(sd, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    getattr(response, "upload_completion", response).result(timeout=timeout)
+    writer.close()
+    return _async_process_executor._CHECKPOINT_PROCESS._save_process.pid
+
+
 def save_with_failing_rank(rank, world_size, url, proxy_endpoint):
     """Rank 1 talks through a proxy that refuses its shard uploads."""
     options = {"endpoint_url": proxy_endpoint} if rank == 1 else None

@@ -480,15 +480,18 @@ class AsyncCheckpointer:
         looking (it returns as soon as the object appears).
         """
         deadline = time.monotonic() + self.commit_window
-        while True:
-            try:
-                reader = ObjectStoreReader(job.url, storage_options=self.storage_options, transfer=self.transfer)
-                metadata = reader.read_metadata()
-                break
-            except CheckpointNotFoundError:
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.5)  # polling storage, the only party both sides still reach
+        reader = ObjectStoreReader(job.url, storage_options=self.storage_options, transfer=self.transfer)
+        try:
+            while True:
+                try:
+                    metadata = reader.read_metadata()
+                    break
+                except CheckpointNotFoundError:
+                    if time.monotonic() >= deadline:
+                        return False
+                    time.sleep(0.5)  # polling storage, the only party both sides still reach
+        finally:
+            reader.close()
         stored = metadata.storage_data or {}
         return all(
             (info := stored.get(r.index)) is not None and info.relative_path == r.storage_data.relative_path
@@ -561,20 +564,24 @@ class AsyncCheckpointer:
             allow_globals=allow_globals,
             allow_unsafe_pickle=allow_unsafe_pickle,
         )
-        metadata = reader.use_metadata_bytes(raw)
-        flat_sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-        check_state_dict(flat_sd, metadata, url)
-        with warnings.catch_warnings():
-            # dcp.load warns whenever no_dist is set; a single process is intended here.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state_dict, storage_reader=reader, process_group=self._coll.group, no_dist=not self._coll.enabled)
-        self.plan_cache.fill_from_metadata(
-            metadata,
-            rank=self.rank,
-            world_size=self.world_size,
-            planner=self.planner_factory(),
-            writer=ObjectStoreWriter(url, storage_options=self.storage_options, transfer=self.transfer),
-        )
+        try:
+            metadata = reader.use_metadata_bytes(raw)
+            flat_sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+            check_state_dict(flat_sd, metadata, url)
+            with warnings.catch_warnings():
+                # dcp.load warns whenever no_dist is set; a single process is intended here.
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(state_dict, storage_reader=reader, process_group=self._coll.group, no_dist=not self._coll.enabled)
+        finally:
+            reader.close()
+        # The writer only assigns storage prefixes here; it sends no request.
+        writer = ObjectStoreWriter(url, storage_options=self.storage_options, transfer=self.transfer)
+        try:
+            self.plan_cache.fill_from_metadata(
+                metadata, rank=self.rank, world_size=self.world_size, planner=self.planner_factory(), writer=writer
+            )
+        finally:
+            writer.close()
         return step
 
     def _find_for_load(self, step: int | None) -> tuple[int, bytes] | BaseException:
@@ -597,7 +604,11 @@ class AsyncCheckpointer:
                 if not steps:
                     raise CheckpointNotFoundError(f"{self.root}: no committed checkpoint to load")
                 step = steps[-1]
-            return step, read_metadata_bytes(self.store.child(step_prefix(step)))
+            child = self.store.child(step_prefix(step))
+            try:
+                return step, read_metadata_bytes(child)
+            finally:
+                child.close()
         except DcpstoreError as e:
             return e
         except Exception as e:  # noqa: BLE001 - the peers must not wait for a broadcast that never comes
@@ -618,6 +629,7 @@ class AsyncCheckpointer:
             self._closed = True
             self._executor.shutdown(wait=True)
             self._writer.close()
+            self.store.close()
             for pool in self._pools:
                 pool.clear()
 

@@ -104,12 +104,33 @@ class ObjectStoreReader(StorageReader):
         self.verify_checksums = verify_checksums
         self.allow_globals = list(allow_globals)
         self.allow_unsafe_pickle = allow_unsafe_pickle
+        self._store: ObjectStore | None = None
         self.reset(url)
+
+    @property
+    def store(self) -> ObjectStore:
+        """The store at ``url``: opened by ``reset`` (or on first use after ``close``), released by ``close``."""
+        if self._store is None:
+            self._store = open_store(self.url, self.storage_options, self.transfer)
+        return self._store
+
+    def close(self) -> None:
+        """Release the store (its pools go with the last store on them).
+
+        ``dcp.load`` never calls it; a reader nobody closes releases its
+        store when it is garbage-collected.
+        """
+        if self._store is not None:
+            self._store.close()
+            self._store = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.url = normalize_url(checkpoint_id)
-            self.store: ObjectStore = open_store(self.url, self.storage_options, self.transfer)
+            url = normalize_url(checkpoint_id)
+            store = open_store(url, self.storage_options, self.transfer)
+            if self._store is not None:
+                self._store.close()
+            self.url, self._store = url, store
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict = {}
         self._checksums: dict = {}

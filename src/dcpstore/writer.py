@@ -263,14 +263,36 @@ class ObjectStoreWriter(StorageWriter):
         self.objects_per_rank = objects_per_rank
         self.checksums = checksums
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._store: ObjectStore | None = None
         self.reset(url)
+
+    @property
+    def store(self) -> ObjectStore:
+        """The store at ``url``: opened by ``reset`` (or on first use after ``close``), released by ``close``."""
+        if self._store is None:
+            self._store = open_store(self.url, self.storage_options, self.transfer)
+        return self._store
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the store and the thread pool, which ``store`` and ``write_data`` rebuild.
+
+        ``dcp.async_save(..., async_checkpointer_type=PROCESS)`` sends the
+        writer to its checkpoint process with every save; locks, thread
+        pools and the S3 client cannot travel and are remade there.
+        """
+        state = self.__dict__.copy()
+        state["_store"] = state["_executor"] = None
+        return state
 
     # -- StorageWriter ----------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.url = normalize_url(checkpoint_id)
-            self.store: ObjectStore = open_store(self.url, self.storage_options, self.transfer)
+            url = normalize_url(checkpoint_id)
+            store = open_store(url, self.storage_options, self.transfer)
+            if self._store is not None:
+                self._store.close()
+            self.url, self._store = url, store
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
@@ -498,6 +520,10 @@ class ObjectStoreWriter(StorageWriter):
         return is_store_url(checkpoint_id)
 
     def close(self) -> None:
+        """Stop the upload threads and release the store (its pools go with the last store on them)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._store is not None:
+            self._store.close()
+            self._store = None

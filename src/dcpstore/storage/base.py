@@ -1,0 +1,355 @@
+"""The object-store vocabulary, and the store for any fsspec filesystem.
+
+``ObjectStore`` wraps an fsspec filesystem (``memory://`` and anything
+else without a store of its own) behind a small object-store vocabulary:
+put, ranged get, exists, list, delete, and abort of incomplete multipart
+uploads.  Its blocking calls run on the connection's thread pool (see
+``connection``), under the caller's ``RetryPolicy``.  ``LocalObjectStore``
+(``local``) and ``S3ObjectStore`` (``s3``) implement the same vocabulary.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import itertools
+import logging
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import fsspec
+
+from ..errors import ConditionalWriteError, CorruptCheckpointError, ObjectNotFoundError
+from .translate import gave_up, is_retryable, translate_error
+
+if TYPE_CHECKING:
+    from .connection import Connection
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    key: str  # relative to the store's root
+    size: int
+    last_modified: float | None = None  # seconds since the epoch
+
+
+@dataclasses.dataclass(frozen=True)
+class MultipartUploadInfo:
+    key: str
+    upload_id: str
+    initiated: float | None = None
+
+
+def url_to_fs(url: str, options: dict[str, Any]):
+    """fsspec's filesystem instance (from its instance cache) and path for ``url``."""
+    try:
+        return fsspec.core.url_to_fs(url, **options)
+    except (ValueError, ImportError) as e:
+        raise ValueError(f"{url}: cannot open this URL ({e})") from None
+
+
+class ObjectStore:
+    """Object-store operations over a generic fsspec filesystem.
+
+    Keys are '/'-separated and relative to the store's root.  Stores come
+    from ``open_store`` and ``child``; each holds a lease on the connection
+    it shares with the other stores over the same filesystem instance (and
+    bucket), released by ``close()``.
+    """
+
+    #: Whether the first component of a path names a bucket, which then
+    #: scopes the connection (see ``open_store``).
+    has_buckets = False
+
+    def __init__(self, url: str, root: str, connection: Connection):
+        """A store at ``url`` (``root`` on the filesystem); takes over a lease the caller holds on ``connection``."""
+        self.url = str(url).rstrip("/")
+        self.root = root.rstrip("/")
+        self.fs = connection.fs
+        self.transfer = connection.transfer
+        self._connection = connection
+        self._lease = weakref.finalize(self, connection.release)
+
+    @classmethod
+    def connect(cls, url: str, storage_options: dict[str, Any], transfer) -> tuple[Any, str]:
+        """The filesystem instance to reach ``url`` through, and ``url``'s path on it."""
+        return url_to_fs(url, storage_options)
+
+    # -- naming and lifetime ------------------------------------------------------
+
+    def url_for(self, key: str) -> str:
+        return f"{self.url}/{key}" if key else self.url
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}" if key else self.root
+
+    def child(self, prefix: str) -> "ObjectStore":
+        """A store rooted at ``prefix`` below this one, on the same connection (with a lease of its own)."""
+        if not self._lease.alive or not self._connection.lease():
+            raise RuntimeError(f"{self.url}: the store is closed")
+        prefix = prefix.strip("/")
+        return type(self)(self.url_for(prefix), self._path(prefix), self._connection)
+
+    def close(self) -> None:
+        """Release this store's lease; the connection's pools go with the last one.  Idempotent."""
+        self._lease()
+
+    def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        if not self._lease.alive:
+            raise RuntimeError(f"{self.url}: the store is closed")
+        return self._connection.executor()
+
+    # -- futures API (the primitives) --------------------------------------------
+
+    def put_async(self, key: str, data, *, if_none_match: bool = False, if_match: str | None = None) -> concurrent.futures.Future:
+        """Write ``data`` (any bytes-like object) as ``key``.
+
+        ``if_none_match``: only if ``key`` does not exist; ``if_match``: only
+        if its current ETag (see ``get_with_etag``) is this one.  Otherwise
+        ``ConditionalWriteError``, and nothing is written.  On S3, a refused
+        condition where the object already holds exactly ``data`` counts as
+        success: it is this write's own earlier attempt, whose response was lost.
+        """
+        return self._executor().submit(
+            self._retrying, "PUT", key, lambda: self._put_blocking(key, data, if_none_match, if_match)
+        )
+
+    def get_range_async(self, key: str, start: int, end: int) -> concurrent.futures.Future:
+        """Bytes ``[start, end)`` of ``key``; raises ``CorruptCheckpointError`` if fewer exist."""
+        return self._executor().submit(
+            self._retrying, "GET", key, lambda: self._checked_range(key, start, end, self._get_blocking(key, start, end))
+        )
+
+    # -- blocking API ---------------------------------------------------------
+
+    def put(self, key: str, data, *, if_none_match: bool = False, if_match: str | None = None) -> None:
+        self.put_async(key, data, if_none_match=if_none_match, if_match=if_match).result()
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        return self.get_range_async(key, start, end).result()
+
+    def get(self, key: str) -> bytes:
+        return self.get_range(key, 0, self.size(key))
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str | None]:
+        """The object and the tag that ``put(..., if_match=tag)`` expects.
+
+        Stores without ETags use the MD5 of the content, which is what a
+        simple S3 PUT's ETag is too.
+        """
+        data = self.get(key)
+        return data, hashlib.md5(data).hexdigest()
+
+    def exists(self, key: str) -> bool:
+        return self._retrying("HEAD", key, lambda: self.fs.exists(self._path(key)))
+
+    def size(self, key: str) -> int:
+        def op():
+            try:
+                return int(self.fs.size(self._path(key)))
+            except FileNotFoundError:
+                raise ObjectNotFoundError(f"{self.url_for(key)}: object does not exist") from None
+
+        return self._retrying("HEAD", key, op)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Every object under ``prefix`` (recursively), sorted by key."""
+        base = self._path(prefix.strip("/")) if prefix else self.root
+
+        def op():
+            if not self.fs.exists(base):
+                return []
+            found = self.fs.find(base, detail=True)
+            return [
+                ObjectInfo(
+                    key=self._relative(path),
+                    size=int(info.get("size") or 0),
+                    last_modified=_mtime(info),
+                )
+                for path, info in found.items()
+                if info.get("type", "file") != "directory"
+            ]
+
+        return sorted(self._retrying("LIST", prefix, op), key=lambda o: o.key)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self._retrying("DELETE", key, lambda k=key: self.fs.rm_file(self._path(k)))
+
+    def list_multipart_uploads(self, prefix: str = "") -> list[MultipartUploadInfo]:
+        """Open multipart uploads under ``prefix``; only object stores have them."""
+        return []
+
+    def abort_multipart_uploads(self, prefix: str = "", older_than: float | None = None) -> int:
+        """Abort open multipart uploads under ``prefix`` (started before ``older_than``)."""
+        aborted = 0
+        for upload in self.list_multipart_uploads(prefix):
+            if older_than is None or (upload.initiated or 0) < older_than:
+                self.abort_upload(upload.key, upload.upload_id)
+                aborted += 1
+        return aborted
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        """Abort one multipart upload; only object stores have them."""
+        raise NotImplementedError
+
+    def open_writer(self, key: str) -> "ObjectWriter":
+        """A write-only stream; the object appears when ``close()`` returns."""
+        return _BufferedObjectWriter(self, key)
+
+    # -- implementation hooks ----------------------------------------------------
+
+    def _put_blocking(self, key: str, data, if_none_match: bool, if_match: str | None) -> None:
+        if not (if_none_match or if_match):
+            self._write(key, data)
+            return
+        # Generic fsspec filesystems have no conditional writes: check, then
+        # write, under a process-wide lock.  Exact within one process (as for
+        # memory://); across processes it is a check-then-act race, as the
+        # README says.
+        with conditional_lock:
+            self._check_condition(key, if_none_match, if_match)
+            self._write(key, data)
+
+    def _check_condition(self, key: str, if_none_match: bool, if_match: str | None) -> None:
+        try:
+            _, current = self.get_with_etag(key)
+        except ObjectNotFoundError:
+            current = None
+        refuse_unless_condition_holds(self.url_for(key), current, if_none_match, if_match)
+
+    def _write(self, key: str, data) -> None:
+        path = self._path(key)
+        parent = path.rsplit("/", 1)[0]
+        if parent and not self.fs.exists(parent):
+            self.fs.makedirs(parent, exist_ok=True)
+        self.fs.pipe_file(path, bytes(data))
+
+    def _get_blocking(self, key: str, start: int, end: int) -> bytes:
+        try:
+            return self.fs.cat_file(self._path(key), start=start, end=end)
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{self.url_for(key)}: object does not exist") from None
+
+    def _relative(self, path: str) -> str:
+        path = path.rstrip("/")
+        root = self.root.lstrip("/")
+        path_stripped = path.lstrip("/")
+        if path_stripped.startswith(root):
+            return path_stripped[len(root) :].lstrip("/")
+        return path_stripped
+
+    def _checked_range(self, key: str, start: int, end: int, data) -> bytes:
+        if len(data) != end - start:
+            raise CorruptCheckpointError(
+                f"{self.url_for(key)}: object is truncated: expected bytes [{start}, {end}) "
+                f"but only {len(data)} of {end - start} came back"
+            )
+        return data
+
+    def _retrying(self, op: str, key: str, fn: Callable[[], Any]) -> Any:
+        for attempt in itertools.count():
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 - classified by _retry_delay
+                time.sleep(self._retry_delay(op, key, attempt, e))
+
+    def _retry_delay(self, op: str, key: str, attempt: int, exc: Exception) -> float:
+        """How long to wait before retrying after ``exc``; raises when it is not worth it."""
+        policy = self.transfer.retry
+        if not is_retryable(exc):
+            raise translate_error(exc, self.url_for(key)) from exc
+        if attempt + 1 >= policy.max_attempts:
+            raise gave_up(op, self.url_for(key), attempt + 1, exc) from exc
+        delay = policy.backoff(attempt)
+        logger.info("%s %s failed (%s); retry %d in %.2fs", op, self.url_for(key), exc, attempt + 1, delay)
+        return delay
+
+
+conditional_lock = threading.Lock()
+
+
+def refuse_unless_condition_holds(url: str, current: str | None, if_none_match: bool, if_match: str | None) -> None:
+    """``ConditionalWriteError`` unless the object's ``current`` tag (``None``: absent) meets the condition.
+
+    Tags compare without quotes: S3 quotes ETags, callers may not.
+    """
+    if if_none_match and current is not None:
+        raise ConditionalWriteError(f"{url}: object already exists")
+    if if_match and (current is None or current.strip('"') != if_match.strip('"')):
+        state = "no longer exists" if current is None else f"changed (ETag {current}, expected {if_match})"
+        raise ConditionalWriteError(f"{url}: object {state}")
+
+
+class ObjectWriter:
+    """A write-only, append-only object stream (what ``torch.save`` writes into)."""
+
+    def write(self, data) -> int:
+        raise NotImplementedError
+
+    def tell(self) -> int:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Finish the upload; the object exists once this returns."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Drop the upload; no object and no parts are left behind."""
+        raise NotImplementedError
+
+    def __enter__(self) -> "ObjectWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    # torch.save probes these on file-like objects
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+
+class _BufferedObjectWriter(ObjectWriter):
+    """For filesystems without multipart uploads: buffer, then one put."""
+
+    def __init__(self, store: ObjectStore, key: str):
+        self._store, self._key = store, key
+        self._buf = bytearray()
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self._buf += view
+        return len(view)
+
+    def tell(self) -> int:
+        return len(self._buf)
+
+    def close(self) -> None:
+        self._store.put(self._key, self._buf)
+        self._buf = bytearray()
+
+    def abort(self) -> None:
+        self._buf = bytearray()
+
+
+def _mtime(info: dict) -> float | None:
+    value = info.get("mtime") or info.get("LastModified") or info.get("created")
+    if value is None:
+        return None
+    if hasattr(value, "timestamp"):
+        return value.timestamp()
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None

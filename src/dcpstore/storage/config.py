@@ -1,0 +1,54 @@
+"""How objects move: part size, concurrency, timeouts, and the retry policy."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded retries with full-jitter exponential backoff.
+
+    Attempt ``n`` (0-based) that fails with a retryable error sleeps
+    ``uniform(0, min(max_backoff, initial_backoff * 2**n))`` before the next,
+    the scheme AWS recommends so that many ranks throttled at once do not
+    retry in lockstep.
+    """
+
+    max_attempts: int = 5
+    initial_backoff: float = 0.1
+    max_backoff: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+
+    def backoff(self, attempt: int) -> float:
+        return random.uniform(0, min(self.max_backoff, self.initial_backoff * 2**attempt))
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferConfig:
+    """How objects move.  Defaults follow AWS guidance (8-16 MiB parts).
+
+    An object larger than one part is uploaded in parts; smaller ones go up
+    as one PUT.  Host memory used by uploads is bounded by
+    ``(max_concurrency + number of open writers) * part_size``: part buffers
+    are allocated on first use, reused by every store over the same
+    connection, and freed when the last of those stores is closed.
+    """
+
+    part_size: int = 16 * MiB
+    max_concurrency: int = 16
+    connect_timeout: float = 10.0
+    read_timeout: float = 120.0
+    retry: RetryPolicy = RetryPolicy()
+
+    def __post_init__(self) -> None:
+        if self.part_size < 5 * MiB:
+            raise ValueError("part_size must be at least 5 MiB (the S3 minimum part size)")
+        if self.max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")

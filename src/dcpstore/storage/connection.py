@@ -1,0 +1,78 @@
+"""What all stores over one filesystem instance and bucket share, and who frees it.
+
+A checkpointer opens a store per step, a reader per load; each of them
+owning a thread pool or part buffers would leak one set per checkpoint (and
+did).  They share one ``Connection`` instead: the filesystem (for S3 the
+aiobotocore client and its connection pool), a thread pool for filesystems
+whose calls block, and the part-buffer pool of multipart uploads.
+
+Every store holds one lease on its connection, taken when it is made
+(``open_store``, ``ObjectStore.child``) and released by ``ObjectStore.close``
+or, for a store nobody closed, when it is garbage-collected or the
+interpreter exits.  When the last lease goes, the thread pool is shut down
+and the part buffers are freed; the next ``open_store`` makes a new
+connection.  So an owner that closes what it opened (``ObjectStoreWriter``,
+``ObjectStoreReader``, ``AsyncCheckpointer``) leaves nothing running behind.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Any
+
+from .config import TransferConfig
+from .multipart import PartBufferPool
+
+_pool_thread = threading.local()
+
+
+def _mark_pool_thread() -> None:
+    _pool_thread.active = True
+
+
+class Connection:
+    def __init__(self, fs: Any, transfer: TransferConfig):
+        self.fs = fs
+        self.transfer = transfer
+        self.parts = PartBufferPool(transfer.part_size, transfer.max_concurrency)
+        # Reentrant: a store garbage-collected while this thread holds the
+        # lock releases its lease from inside the locked region.
+        self._lock = threading.RLock()
+        self._leases = 0
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.closed = False
+
+    def lease(self) -> bool:
+        """Take a lease; ``False`` once the connection is closed (open a new one)."""
+        with self._lock:
+            if self.closed:
+                return False
+            self._leases += 1
+            return True
+
+    def release(self) -> None:
+        """Return a lease; the last one frees the pools."""
+        with self._lock:
+            self._leases -= 1
+            if self._leases > 0:
+                return
+            self.closed = True
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            # A pool thread that drops the last store cannot wait for itself.
+            executor.shutdown(wait=not getattr(_pool_thread, "active", False))
+        self.parts.close()
+
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread pool for blocking filesystem calls, started on first use."""
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("the store's connection is closed")
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=self.transfer.max_concurrency,
+                    thread_name_prefix="dcpstore-io",
+                    initializer=_mark_pool_thread,
+                )
+            return self._executor

@@ -1,0 +1,243 @@
+"""Streaming an object to S3 in parts while the producer keeps writing.
+
+boto3's transfer manager and s3fs's file objects upload from a file or from
+their own buffers; ``torch.save`` instead writes an archive of unknown size
+into a stream, and checkpoint memory must stay bounded.  So dcpstore keeps
+its own writer: ``torch.save`` output lands in pooled part buffers, each
+full buffer is uploaded (with no copy) while the next one fills, and the
+pool bounds how many parts are in flight.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import mmap
+import threading
+from typing import TYPE_CHECKING
+
+from ..errors import ObjectNotFoundError
+from .base import ObjectWriter
+
+if TYPE_CHECKING:
+    from .s3 import S3ObjectStore
+
+logger = logging.getLogger(__name__)
+
+
+class PartBufferPool:
+    """Reused ``part_size`` buffers, and the budget of parts in flight, of one connection.
+
+    Buffers are allocated when no free one is left and kept for the next
+    writer; ``close()`` (the connection's last lease) frees them, and a
+    buffer handed back after that is freed at once.  Each buffer is an
+    anonymous ``mmap``, not a ``bytearray``: freeing it returns its pages to
+    the OS, where glibc keeps a freed 16 MiB ``bytearray`` resident in the
+    arena of the thread that freed it, and it costs memory only for the
+    bytes written into it.
+    """
+
+    def __init__(self, part_size: int, max_in_flight: int):
+        self.part_size = part_size
+        self.in_flight = threading.BoundedSemaphore(max_in_flight)
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self) -> mmap.mmap:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return mmap.mmap(-1, self.part_size)
+
+    def give_back(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            if not self._closed:
+                self._free.append(buf)
+                return
+        _unmap(buf)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            free, self._free = self._free, []
+        for buf in free:
+            _unmap(buf)
+
+
+def _unmap(buf: mmap.mmap) -> None:
+    try:
+        buf.close()
+    except BufferError:  # a view of it is still alive; unmapped when that goes
+        pass
+
+
+class Tries:
+    """How many attempts ``S3ObjectStore._call`` sent for one request."""
+
+    count = 0
+
+
+class MultipartObjectWriter(ObjectWriter):
+    """Streams an object to S3 in parts while the producer keeps writing.
+
+    Bytes land in ``part_size`` buffers from the pool.  A full buffer is
+    uploaded as a part in the background (at most ``max_concurrency`` parts
+    in flight per connection, which is the backpressure that bounds host
+    memory).  Parts are sent as memoryviews of those buffers, so no per-part
+    copy is made.  An object that never fills one part goes up as a single
+    PUT.  Any failure aborts the multipart upload, so no orphaned parts
+    remain.
+    """
+
+    def __init__(self, store: S3ObjectStore, key: str, parts: PartBufferPool):
+        self._store, self._key, self._pool = store, key, parts
+        self._bucket, self._path = store._split(key)
+        self._buf: mmap.mmap | None = None
+        self._fill = 0
+        self._pos = 0
+        self._upload_id: str | None = None
+        self._parts: list[concurrent.futures.Future] = []
+        self._closed = False
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        size = self._pool.part_size
+        written = 0
+        while written < len(view):
+            if self._buf is None:
+                self._buf = self._pool.take()
+                self._fill = 0
+            n = min(size - self._fill, len(view) - written)
+            self._buf[self._fill : self._fill + n] = view[written : written + n]
+            self._fill += n
+            written += n
+            if self._fill == size:
+                self._flush_part()
+        self._pos += written
+        return written
+
+    def tell(self) -> int:
+        return self._pos
+
+    def _flush_part(self) -> None:
+        if self._upload_id is None:
+            self._upload_id = self._store._run(self._create_upload())
+        buf, fill = self._buf, self._fill
+        self._buf, self._fill = None, 0
+        number = len(self._parts) + 1
+        self._pool.in_flight.acquire()
+        fut = self._store._submit(
+            self._store._call(
+                "UPLOAD-PART",
+                self._key,
+                "upload_part",
+                Bucket=self._bucket,
+                Key=self._path,
+                UploadId=self._upload_id,
+                PartNumber=number,
+                body=memoryview(buf)[:fill],
+            )
+        )
+
+        def release(_f, buf=buf):
+            self._pool.in_flight.release()
+            self._pool.give_back(buf)
+
+        fut.add_done_callback(release)
+        self._parts.append(fut)
+        # Surface a failed part early instead of streaming the rest of the object.
+        for done in self._parts:
+            if done.done() and done.exception() is not None:
+                done.result()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._upload_id is None:
+                body = memoryview(self._buf)[: self._fill] if self._buf is not None else b""
+                try:
+                    self._store.put(self._key, body)
+                finally:
+                    self._release_current()
+                return
+            if self._fill:
+                self._flush_part()
+            etags = [f.result()["ETag"] for f in self._parts]
+            self._store._run(self._complete_upload(etags))
+        except BaseException:
+            self._abort_upload()
+            raise
+
+    def abort(self) -> None:
+        self._closed = True
+        self._abort_upload()
+
+    async def _create_upload(self) -> str:
+        """Start the multipart upload; abort any that a lost response leaked.
+
+        When an attempt's response is lost, S3 may still have created an
+        upload that no one knows the id of.  Shard keys are unique to one
+        save of one rank (see ``ObjectStoreWriter``), so any other open
+        upload of exactly this key is such a leak.
+        """
+        store, tries = self._store, Tries()
+        resp = await store._call(
+            "CREATE-MPU", self._key, "create_multipart_upload", tries=tries, Bucket=self._bucket, Key=self._path
+        )
+        upload_id = resp["UploadId"]
+        if tries.count > 1:
+            try:
+                for upload in await store._list_uploads(self._key, folder=False):
+                    if upload.key == self._key and upload.upload_id != upload_id:
+                        await store._abort(upload.key, upload.upload_id)
+            except Exception as e:  # noqa: BLE001 - gc reclaims what this misses
+                logger.warning("%s: could not look for leaked multipart uploads: %s", store.url_for(self._key), e)
+        return upload_id
+
+    async def _complete_upload(self, etags: list[str]) -> None:
+        """Complete the upload; after a lost success response, confirm by HEAD.
+
+        A retried CompleteMultipartUpload whose first attempt succeeded is
+        answered ``NoSuchUpload``; the object then exists with our size (the
+        key is ours alone), and that is success, not a missing object.
+        """
+        store, tries = self._store, Tries()
+        try:
+            await store._call(
+                "COMPLETE-MPU",
+                self._key,
+                "complete_multipart_upload",
+                tries=tries,
+                Bucket=self._bucket,
+                Key=self._path,
+                UploadId=self._upload_id,
+                MultipartUpload={"Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]},
+            )
+        except ObjectNotFoundError:
+            if tries.count > 1:
+                head = await store._call("HEAD", self._key, "head_object", Bucket=self._bucket, Key=self._path)
+                if int(head["ContentLength"]) == self._pos:
+                    self._upload_id = None  # completed: nothing to abort
+                    return
+            raise
+
+    def _release_current(self) -> None:
+        if self._buf is not None:
+            self._pool.give_back(self._buf)
+            self._buf = None
+
+    def _abort_upload(self) -> None:
+        self._release_current()
+        for f in self._parts:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - the first error is already propagating
+                pass
+        if self._upload_id is not None:
+            try:
+                self._store.abort_upload(self._key, self._upload_id)
+            except Exception as e:  # noqa: BLE001
+                logger.warning("could not abort multipart upload of %s: %s", self._store.url_for(self._key), e)

@@ -1,0 +1,88 @@
+"""From a URL to a store: which implementation, and which connection it shares."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import fsspec
+
+from .base import ObjectStore
+from .config import TransferConfig
+from .connection import Connection
+from .local import LocalObjectStore
+from .s3 import S3_SCHEMES, S3ObjectStore
+
+# (id of the filesystem instance, bucket, transfer) -> the connection stores
+# there share.  An entry whose connection closed is replaced on next use.
+_connections: dict[tuple, Connection] = {}
+_connections_lock = threading.Lock()
+
+
+def normalize_url(url: str | os.PathLike) -> str:
+    """``url`` without trailing slashes; ``ValueError`` when it names no store location.
+
+    Checked before stripping: ``"s3://"`` stripped is ``"s3:"``, which fsspec
+    would take for a local folder of that name.
+    """
+    text = str(url)
+    protocol, rest = fsspec.core.split_protocol(text)
+    if protocol in S3_SCHEMES and not rest.partition("/")[0]:
+        raise ValueError(f"{text!r}: an S3 URL needs a bucket: s3://BUCKET/PREFIX")
+    if protocol is not None and not rest.strip("/"):
+        raise ValueError(f"{text!r}: the URL names no location after {protocol}://")
+    return text.rstrip("/")
+
+
+def is_store_url(url: str | os.PathLike) -> bool:
+    """Whether ``url`` is a URL (``scheme://...``) that names a store location."""
+    if "://" not in str(url):
+        return False
+    try:
+        normalize_url(url)
+    except ValueError:
+        return False
+    return True
+
+
+def open_store(
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    transfer: TransferConfig | None = None,
+) -> ObjectStore:
+    """The store rooted at ``url``; the S3 implementation for ``s3://``.
+
+    Stores over one filesystem instance and bucket (with one transfer
+    configuration) share a connection: a writer or reader per checkpoint
+    reuses one connection pool, one set of part buffers and one credential
+    lookup, and ``url`` only picks the prefix.  Close the store when done
+    with it (see ``connection``).
+    """
+    url = normalize_url(url)
+    cls = _store_class(url)
+    transfer = transfer or TransferConfig()
+    fs, root = cls.connect(url, dict(storage_options or {}), transfer)
+    bucket = root.partition("/")[0] if cls.has_buckets else ""
+    key = (id(fs), bucket, transfer)
+    with _connections_lock:
+        connection = _connections.get(key)
+        if connection is None or not connection.lease():
+            connection = _connections[key] = Connection(fs, transfer)
+            connection.lease()
+    return cls(url, root, connection)
+
+
+def _store_class(url: str) -> type[ObjectStore]:
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError as e:
+        raise ValueError(f"{url}: unknown URL scheme {protocol!r} ({e})") from None
+    except ImportError as e:
+        raise ValueError(f"{url}: the {protocol!r} filesystem needs a missing package ({e})") from None
+    if protocol in S3_SCHEMES:
+        return S3ObjectStore
+    if protocol in ("file", "local"):
+        return LocalObjectStore
+    return ObjectStore

@@ -1,0 +1,347 @@
+"""``s3://``: the S3 request transport, on the aiobotocore client that s3fs configures.
+
+Credentials, endpoint and profile come from s3fs and botocore as usual;
+requests go to the client directly rather than through s3fs's file API,
+because checkpoint traffic needs three things that API does not give:
+parallel multipart uploads fed from reused buffers (``multipart``), one
+retry policy that the caller controls (``S3ObjectStore._call``), and errors
+that name the object (``translate``).
+
+Concurrency model: requests run as coroutines on fsspec's I/O event loop
+thread, so no request holds the GIL while it waits on the network; callers
+on any thread get ``concurrent.futures.Future`` objects back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import io
+import itertools
+import logging
+import threading
+from typing import Any, Iterable
+
+from ..errors import ConditionalWriteError, ObjectNotFoundError, UnsupportedByStoreError
+from .base import MultipartUploadInfo, ObjectInfo, ObjectStore, ObjectWriter, refuse_unless_condition_holds, url_to_fs
+from .config import TransferConfig
+from .multipart import MultipartObjectWriter, Tries
+
+logger = logging.getLogger(__name__)
+
+S3_SCHEMES = ("s3", "s3a")
+
+
+def client_config(transfer: TransferConfig) -> dict[str, Any]:
+    """botocore settings under which dcpstore's own retry policy is the only one.
+
+    botocore's retries are turned off so that attempts are bounded by
+    ``RetryPolicy`` alone, timeouts are set on connect and read so nothing
+    hangs, and the connection pool is large enough for ``max_concurrency``.
+    """
+    return {
+        "retries": {"total_max_attempts": 1},
+        "connect_timeout": transfer.connect_timeout,
+        "read_timeout": transfer.read_timeout,
+        "max_pool_connections": transfer.max_concurrency * 2,
+        "request_checksum_calculation": "when_required",
+        "response_checksum_validation": "when_required",
+    }
+
+
+_filesystems: dict[tuple, Any] = {}
+_filesystems_lock = threading.Lock()
+
+
+class S3ObjectStore(ObjectStore):
+    """The S3 store: parallel multipart uploads, ranged reads, one retry policy."""
+
+    has_buckets = True
+
+    @classmethod
+    def connect(cls, url: str, storage_options: dict[str, Any], transfer: TransferConfig) -> tuple[Any, str]:
+        """One private s3fs instance per (scheme, options, transfer), shared by all buckets.
+
+        Private, because the botocore settings of ``client_config`` must not
+        leak into s3fs instances that user code shares through fsspec's
+        instance cache; kept for the life of the process, because it holds
+        no threads (requests run on fsspec's I/O loop) and making one costs a
+        credential lookup and a client.
+        """
+        protocol, rest = url.split("://", 1)
+        key = (protocol, repr(sorted(storage_options.items())), transfer)
+        with _filesystems_lock:
+            fs = _filesystems.get(key)
+            if fs is None:
+                options = dict(storage_options)
+                options["config_kwargs"] = {**client_config(transfer), **options.get("config_kwargs", {})}
+                options.setdefault("skip_instance_cache", True)
+                fs = _filesystems[key] = url_to_fs(f"{protocol}://{rest.partition('/')[0]}", options)[0]
+        return fs, rest
+
+    # -- plumbing ---------------------------------------------------------------
+
+    def _split(self, key: str) -> tuple[str, str]:
+        bucket, _, path = self._path(key).partition("/")
+        return bucket, path
+
+    async def _s3(self):
+        return await self.fs.set_session()  # s3fs caches the client
+
+    def _submit(self, coro) -> concurrent.futures.Future:
+        if not self._lease.alive:
+            coro.close()
+            raise RuntimeError(f"{self.url}: the store is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
+
+    async def _call(
+        self,
+        op: str,
+        key: str,
+        method: str,
+        *,
+        body=None,
+        read_body: bool = False,
+        tries: Tries | None = None,
+        **kwargs,
+    ) -> Any:
+        """One S3 request under the retry policy: the only retry loop a request goes through.
+
+        ``body`` (bytes-like) is wrapped in a fresh reader for every attempt,
+        so a retry resends the whole body; a reused stream would resume where
+        the failed attempt left it while declaring the full length.  With
+        ``read_body`` the response body is read inside the attempt, so a
+        connection cut mid-body is retried like any other transient error.
+        ``tries`` records how many attempts were sent, which tells a caller
+        whether an earlier attempt may have taken effect unseen.
+        """
+        for attempt in itertools.count():
+            if tries is not None:
+                tries.count = attempt + 1
+            try:
+                if body is not None:
+                    kwargs["Body"] = _as_body(body)
+                client = await self._s3()
+                resp = await getattr(client, method)(**kwargs)
+                if read_body:
+                    async with resp["Body"] as stream:
+                        resp["Body"] = await stream.read()
+                return resp
+            except Exception as e:  # noqa: BLE001 - classified by _retry_delay
+                await asyncio.sleep(self._retry_delay(op, key, attempt, e))
+
+    def _run(self, coro):
+        return self._submit(coro).result()
+
+    # -- primitives -------------------------------------------------------------
+
+    def put_async(self, key: str, data, *, if_none_match: bool = False, if_match: str | None = None) -> concurrent.futures.Future:
+        return self._submit(self._put(key, data, if_none_match, if_match))
+
+    async def _put(self, key: str, data, if_none_match: bool, if_match: str | None) -> None:
+        bucket, path = self._split(key)
+        conditions = {}
+        if if_none_match:
+            conditions["IfNoneMatch"] = "*"
+        if if_match:
+            conditions["IfMatch"] = if_match
+        try:
+            await self._call("PUT", key, "put_object", body=data, Bucket=bucket, Key=path, **conditions)
+        except ConditionalWriteError:
+            # After a lost response, our own earlier attempt may be what the
+            # condition now sees (resent by us, or by aiohttp, which resends
+            # a PUT once when a kept-alive connection drops).  An object that
+            # holds exactly our bytes means the write took effect.
+            if await self._holds(key, data):
+                return
+            raise
+        except UnsupportedByStoreError:
+            if not conditions:
+                raise
+            logger.warning(
+                "%s: the server does not implement conditional writes; falling back to check-then-write, "
+                "which two concurrent writers can race",
+                self.url_for(key),
+            )
+            await self._check_condition_async(key, if_none_match, if_match)
+            await self._call("PUT", key, "put_object", body=data, Bucket=bucket, Key=path)
+
+    async def _holds(self, key: str, data) -> bool:
+        try:
+            return await self._get_one(key, None, None) == bytes(data)
+        except ObjectNotFoundError:
+            return False
+
+    async def _check_condition_async(self, key: str, if_none_match: bool, if_match: str | None) -> None:
+        bucket, path = self._split(key)
+        try:
+            current = (await self._call("HEAD", key, "head_object", Bucket=bucket, Key=path))["ETag"]
+        except ObjectNotFoundError:
+            current = None
+        refuse_unless_condition_holds(self.url_for(key), current, if_none_match, if_match)
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str | None]:
+        bucket, path = self._split(key)
+        resp = self._run(self._call("GET", key, "get_object", read_body=True, Bucket=bucket, Key=path))
+        return resp["Body"], resp.get("ETag")
+
+    def get_range_async(self, key: str, start: int, end: int) -> concurrent.futures.Future:
+        return self._submit(self._get_range(key, start, end))
+
+    async def _get_range(self, key: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        part = self.transfer.part_size
+        if end - start <= 2 * part:
+            return self._checked_range(key, start, end, await self._get_one(key, start, end))
+        # Large items: concurrent sub-range GETs into one buffer.
+        out = bytearray(end - start)
+
+        async def fetch(lo: int) -> None:
+            hi = min(lo + part, end)
+            chunk = self._checked_range(key, lo, hi, await self._get_one(key, lo, hi))
+            out[lo - start : hi - start] = chunk
+
+        await asyncio.gather(*(fetch(lo) for lo in range(start, end, part)))
+        return bytes(out)
+
+    def get(self, key: str) -> bytes:
+        # One GET, no HEAD first: a HEAD's 404 cannot tell a missing bucket from a missing key.
+        return self._run(self._get_one(key, None, None))
+
+    async def _get_one(self, key: str, start: int | None, end: int | None) -> bytes:
+        bucket, path = self._split(key)
+        ranged = {} if start is None else {"Range": f"bytes={start}-{end - 1}"}
+        resp = await self._call("GET", key, "get_object", read_body=True, Bucket=bucket, Key=path, **ranged)
+        return resp["Body"]
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+            return True
+        except ObjectNotFoundError:
+            return False
+
+    def size(self, key: str) -> int:
+        bucket, path = self._split(key)
+        resp = self._run(self._call("HEAD", key, "head_object", Bucket=bucket, Key=path))
+        return int(resp["ContentLength"])
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        return self._run(self._list(prefix))
+
+    async def _pages(self, op: str, prefix: str, method: str, continuation: dict[str, str], folder: bool = True):
+        """Every page of a paginated listing under ``prefix`` (a folder, or any key prefix).
+
+        ``continuation`` maps each request parameter to the response field
+        that carries its value for the next page.  Each page is one request
+        under the retry policy: botocore's paginators cannot resume a listing
+        at the page that failed.
+        """
+        bucket, path = self._split(prefix.strip("/"))
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": f"{path}/" if path and folder else path}
+        while True:
+            resp = await self._call(op, prefix, method, **kwargs)
+            yield bucket, resp
+            if not resp.get("IsTruncated"):
+                return
+            kwargs.update({param: resp.get(field) for param, field in continuation.items()})
+
+    async def _list(self, prefix: str) -> list[ObjectInfo]:
+        out = []
+        async for bucket, resp in self._pages("LIST", prefix, "list_objects_v2", {"ContinuationToken": "NextContinuationToken"}):
+            for obj in resp.get("Contents", []):
+                modified = obj.get("LastModified")
+                out.append(
+                    ObjectInfo(
+                        key=self._relative(f"{bucket}/{obj['Key']}"),
+                        size=int(obj["Size"]),
+                        last_modified=modified.timestamp() if modified else None,
+                    )
+                )
+        return sorted(out, key=lambda o: o.key)
+
+    def delete(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        for i in range(0, len(keys), 1000):
+            batch = keys[i : i + 1000]
+            bucket = self._split(batch[0])[0]
+            objects = [{"Key": self._split(k)[1]} for k in batch]
+            resp = self._run(self._call("DELETE", batch[0], "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}))
+            if resp.get("Errors"):
+                err = resp["Errors"][0]
+                raise OSError(f"{self.url}/{err.get('Key')}: delete failed ({err.get('Code')}: {err.get('Message')})")
+
+    def list_multipart_uploads(self, prefix: str = "") -> list[MultipartUploadInfo]:
+        return self._run(self._list_uploads(prefix))
+
+    async def _list_uploads(self, prefix: str, folder: bool = True) -> list[MultipartUploadInfo]:
+        out = []
+        continuation = {"KeyMarker": "NextKeyMarker", "UploadIdMarker": "NextUploadIdMarker"}
+        async for bucket, resp in self._pages("LIST-UPLOADS", prefix, "list_multipart_uploads", continuation, folder):
+            for up in resp.get("Uploads", []):
+                initiated = up.get("Initiated")
+                out.append(
+                    MultipartUploadInfo(
+                        key=self._relative(f"{bucket}/{up['Key']}"),
+                        upload_id=up["UploadId"],
+                        initiated=initiated.timestamp() if initiated else None,
+                    )
+                )
+        return out
+
+    def abort_upload(self, key: str, upload_id: str) -> None:
+        self._run(self._abort(key, upload_id))
+
+    async def _abort(self, key: str, upload_id: str) -> None:
+        bucket, path = self._split(key)
+        try:
+            await self._call("ABORT", key, "abort_multipart_upload", Bucket=bucket, Key=path, UploadId=upload_id)
+        except ObjectNotFoundError:
+            pass  # already completed or aborted
+
+    def open_writer(self, key: str) -> ObjectWriter:
+        return MultipartObjectWriter(self, key, self._connection.parts)
+
+
+class _ViewReader(io.RawIOBase):
+    """A seekable, read-only file over a memoryview.
+
+    botocore takes ``bytes``, ``bytearray`` or a file as a request body, and
+    slicing either of the first two copies.  Handing it this reader instead
+    sends a part of a staged buffer with no copy of the part.
+    """
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self._view = view
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = min(len(b), len(self._view) - self._pos)
+        b[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, min(len(self._view), base + offset))
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+
+def _as_body(data) -> bytes | bytearray | _ViewReader:
+    if isinstance(data, (bytes, bytearray)):
+        return data
+    return _ViewReader(memoryview(data).cast("B"))

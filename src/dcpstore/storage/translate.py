@@ -1,0 +1,126 @@
+"""Which store errors are worth another try, and what each one means to a caller.
+
+Both questions are answered here, after the fact, from the exception a
+request raised, for every store alike.  botocore answers the first one too,
+but only inside its own retry handler (on a ``RetryContext``, with private
+code lists), and dcpstore turns that handler off so that ``RetryPolicy`` is
+the one retry policy a request goes through (see ``s3.client_config``).
+botocore's ``ClientError`` carries the S3 code and HTTP status; this module
+maps them onto the ``dcpstore.errors`` types, each naming the object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from ..errors import (
+    BucketNotFoundError,
+    ConditionalWriteError,
+    CorruptCheckpointError,
+    DcpstoreError,
+    ObjectNotFoundError,
+    StorageAccessError,
+    TransientStorageError,
+    UnsupportedByStoreError,
+)
+
+_RETRYABLE_CODES = frozenset(
+    {
+        "SlowDown",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ServiceUnavailable",
+        "Throttling",
+        "ThrottlingException",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "ConditionalRequestConflict",
+    }
+)
+_ACCESS_CODES = frozenset(
+    {
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "TokenRefreshRequired",
+        "AllAccessDisabled",
+    }
+)
+
+
+def _error_code(exc: BaseException) -> tuple[str | None, int | None, str]:
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict):
+        return None, None, str(exc)
+    error = response.get("Error", {}) or {}
+    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    return error.get("Code"), status, error.get("Message") or str(exc)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Throttling, 5xx but 501, connection resets and timeouts are worth another try.
+
+    Decided by S3 error code first (``RequestTimeout`` is a 400, and a
+    ``ConditionalRequestConflict`` 409 asks the client to retry), then by
+    status: 429 and 5xx other than 501 Not Implemented.  Every other 4xx
+    would fail the same way again.
+    """
+    code, status, _ = _error_code(exc)
+    if code is not None or status is not None:
+        if code in _RETRYABLE_CODES:
+            return True
+        return status is not None and (status == 429 or (status >= 500 and status != 501))
+    if isinstance(exc, (ConnectionError, TimeoutError, asyncio.TimeoutError)):
+        return True
+    try:
+        import aiohttp
+        import botocore.exceptions as bce
+    except ImportError:  # pragma: no cover - s3fs brings both
+        return False
+    return isinstance(
+        exc,
+        (
+            aiohttp.ClientConnectionError,
+            aiohttp.ClientPayloadError,
+            bce.ConnectionError,
+            bce.HTTPClientError,
+            bce.IncompleteReadError,
+            bce.ResponseStreamingError,
+        ),
+    )
+
+
+def translate_error(exc: BaseException, url: str) -> BaseException:
+    """Turn a store error into the dcpstore exception that names ``url``."""
+    if isinstance(exc, DcpstoreError):
+        return exc
+    code, status, message = _error_code(exc)
+    if code == "PreconditionFailed" or status == 412:
+        return ConditionalWriteError(f"{url}: conditional write refused: the object exists or changed ({message})")
+    if code == "NotImplemented" or status == 501:
+        return UnsupportedByStoreError(f"{url}: the server does not implement this request ({code}: {message})")
+    if code == "NoSuchBucket":
+        bucket = url.split("://", 1)[-1].split("/", 1)[0]
+        return BucketNotFoundError(f"{url}: bucket {bucket!r} does not exist")
+    if code in ("NoSuchKey", "NoSuchUpload", "404") or status == 404 or isinstance(exc, FileNotFoundError):
+        return ObjectNotFoundError(f"{url}: object does not exist")
+    if code in _ACCESS_CODES or status == 403 or isinstance(exc, PermissionError):
+        return StorageAccessError(
+            f"{url}: access denied ({code or 'PermissionError'}: {message}); "
+            "check the AWS credentials and the bucket policy"
+        )
+    if code == "InvalidRange" or status == 416:
+        return CorruptCheckpointError(f"{url}: object is truncated: the requested bytes lie past its end")
+    if code is not None:
+        return OSError(f"{url}: {code}: {message}")
+    return exc
+
+
+def gave_up(op: str, url: str, attempts: int, exc: BaseException) -> TransientStorageError:
+    """The error of a request whose every attempt failed with a retryable error."""
+    code, status, message = _error_code(exc)
+    cause = f"{code} (HTTP {status}): {message}" if code else f"{type(exc).__name__}: {exc}"
+    return TransientStorageError(f"{op} {url} failed after {attempts} attempt(s): {cause}")

@@ -1,0 +1,78 @@
+"""What a checkpointer holds while open, it gives back on ``close()``: threads and memory.
+
+Thirty saves with an ``AsyncCheckpointer``, then ``close()``; the process must
+be back at the thread count and RSS it had before.  The baseline is taken
+after a warm-up save on another prefix (another bucket on S3), so what a
+process pays once (torch's first use, fsspec's I/O thread, the S3 client,
+the allocator's arenas) is not counted, while every pool that belongs to the
+stores of the measured run is.
+"""
+
+import os
+import threading
+import uuid
+
+import pytest
+import torch
+
+import dcpstore
+
+STEPS = 30
+OBJECTS_PER_RANK = 4
+BIG = 40 << 20  # one item of 2.5 parts: the part-buffer pool then holds 40 MiB of written buffers
+# A store whose part buffers outlived it would keep at least the 40 MiB of
+# the big item's parts; allocator noise over thirty saves stays below this.
+RSS_TOLERANCE = 20 << 20
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def threads() -> tuple[int, int]:
+    """Python threads and OS threads, less the default executor of fsspec's I/O loop.
+
+    aiohttp reads request bodies that are files (see ``s3._ViewReader``) on
+    that executor.  It belongs to the event loop fsspec keeps for the life
+    of the process and is bounded (``min(32, cpus + 4)`` threads) however
+    many stores come and go, so it is no store's to free.
+    """
+    loop_executor = sum(t.name.startswith("asyncio_") for t in threading.enumerate())
+    return threading.active_count() - loop_executor, len(os.listdir("/proc/self/task")) - loop_executor
+
+
+def save_steps(root: str, steps: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    sd = {"big": torch.randn(BIG // 4, generator=g)}
+    sd.update({f"w{i}": torch.randn(64 << 10, generator=g) for i in range(OBJECTS_PER_RANK - 1)})
+    with dcpstore.AsyncCheckpointer(root, keep_last=2, objects_per_rank=OBJECTS_PER_RANK) as ckpt:
+        for step in range(steps):
+            sd["w0"].add_(1)
+            ckpt.save(sd, step=step)
+        ckpt.wait()
+        assert ckpt.committed_steps() == [steps - 2, steps - 1][-steps:]
+
+
+@pytest.fixture
+def two_roots(request, tmp_path):
+    if request.param == "file":
+        return f"file://{tmp_path}/warm-up", f"file://{tmp_path}/run"
+    s3 = request.getfixturevalue("s3")
+    buckets = [f"test-{uuid.uuid4().hex[:12]}" for _ in range(2)]
+    for name in buckets:
+        s3.create_bucket(Bucket=name)
+    return tuple(f"s3://{name}/run" for name in buckets)
+
+
+@pytest.mark.parametrize("two_roots", ["file", "s3"], indirect=True)
+def test_thirty_async_saves_leave_no_threads_or_memory_behind(two_roots):
+    warm_up, root = two_roots
+    save_steps(warm_up, 1)
+    (py_threads, os_threads), memory = threads(), rss()
+    save_steps(root, STEPS)
+    (py_after, os_after), memory_after = threads(), rss()
+    print(f"threads {py_threads} -> {py_after}, OS threads {os_threads} -> {os_after}, RSS {memory >> 20} -> {memory_after >> 20} MiB")
+    assert py_after == py_threads, [t.name for t in threading.enumerate()]
+    assert os_after <= os_threads
+    assert memory_after - memory < RSS_TOLERANCE
