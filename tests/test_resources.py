@@ -73,6 +73,7 @@ def test_thirty_async_saves_leave_no_threads_or_memory_behind(two_roots):
     save_steps(root, STEPS)
     (py_after, os_after), memory_after = threads(), rss()
     print(f"threads {py_threads} -> {py_after}, OS threads {os_threads} -> {os_after}, RSS {memory >> 20} -> {memory_after >> 20} MiB")
-    assert py_after == py_threads, [t.name for t in threading.enumerate()]
+    # At most: a thread of an earlier test (a proxy's request handler) may end meanwhile.
+    assert py_after <= py_threads, [t.name for t in threading.enumerate()]
     assert os_after <= os_threads
     assert memory_after - memory < RSS_TOLERANCE

@@ -188,13 +188,14 @@ class S3ObjectStore(ObjectStore):
     def get_range_async(self, key: str, start: int, end: int) -> concurrent.futures.Future:
         return self._submit(self._get_range(key, start, end))
 
-    async def _get_range(self, key: str, start: int, end: int) -> bytes:
+    async def _get_range(self, key: str, start: int, end: int) -> bytes | bytearray:
         if end <= start:
             return b""
         part = self.transfer.part_size
         if end - start <= 2 * part:
             return self._checked_range(key, start, end, await self._get_one(key, start, end))
-        # Large items: concurrent sub-range GETs into one buffer.
+        # Large items: concurrent sub-range GETs into one buffer, handed over
+        # as it is (a bytearray: a bytes() of it would copy every byte again).
         out = bytearray(end - start)
 
         async def fetch(lo: int) -> None:
@@ -203,7 +204,7 @@ class S3ObjectStore(ObjectStore):
             out[lo - start : hi - start] = chunk
 
         await asyncio.gather(*(fetch(lo) for lo in range(start, end, part)))
-        return bytes(out)
+        return out
 
     def get(self, key: str) -> bytes:
         # One GET, no HEAD first: a HEAD's 404 cannot tell a missing bucket from a missing key.
