@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import resource
 import statistics
 import sys
 import threading
@@ -31,6 +32,7 @@ import psutil
 import torch
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 # -- measurement helpers ------------------------------------------------------------------
@@ -115,13 +117,34 @@ def blank_like(sd: dict) -> dict:
 
 # -- contenders ---------------------------------------------------------------------------
 # Each takes (state_dict, url, rank-local context) and returns
-# {"blocking_s", "commit_s", "load_s"}.
+# {"blocking_s", "commit_s", "load_s", "save_cpu_s", "load_cpu_s"}.
 
 
-def _timed(fn):
-    t0 = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - t0, out
+def _cpu_s() -> float:
+    """CPU seconds of this process so far, every thread (the server's are not counted)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class _Phases:
+    """Wall and CPU time of a save's phases, then of the load."""
+
+    def __init__(self):
+        self._t0, self._c0 = time.perf_counter(), _cpu_s()
+        self.result: dict = {}
+
+    def mark(self, name: str) -> None:
+        self.result[name] = time.perf_counter() - self._t0
+
+    def saved(self) -> None:
+        self.mark("commit_s")
+        self.result["save_cpu_s"] = _cpu_s() - self._c0
+        self._t0, self._c0 = time.perf_counter(), _cpu_s()
+
+    def loaded(self) -> dict:
+        self.mark("load_s")
+        self.result["load_cpu_s"] = _cpu_s() - self._c0
+        return self.result
 
 
 def dcpstore_async(sd, url, pg):
@@ -129,15 +152,21 @@ def dcpstore_async(sd, url, pg):
 
     root, step = url.rsplit("/", 1)
     ckpt = dcpstore.AsyncCheckpointer(root, process_group=pg)
-    t0 = time.perf_counter()
+    phases = _Phases()
     handle = ckpt.save(sd, step=1)
-    blocking = time.perf_counter() - t0
+    phases.mark("blocking_s")
     handle.result()
-    commit = time.perf_counter() - t0
-    out = blank_like(sd)
-    load, _ = _timed(lambda: ckpt.load(out, step=1))
+    phases.saved()
+    ckpt.load(blank_like(sd), step=1)
     ckpt.close()
-    return {"blocking_s": blocking, "commit_s": commit, "load_s": load}
+    return phases.loaded()
+
+
+def _dcp_load(phases, sd, url, pg, reader_factory) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(blank_like(sd), storage_reader=reader_factory(url), process_group=pg, no_dist=pg is None)
+    return phases.loaded()
 
 
 def _dcp_pair(writer_factory, reader_factory, use_async):
@@ -145,20 +174,53 @@ def _dcp_pair(writer_factory, reader_factory, use_async):
 
     def run(sd, url, pg):
         no_dist = pg is None
-        t0 = time.perf_counter()
+        phases = _Phases()
         if use_async:
             fut = dcp.async_save(sd, storage_writer=writer_factory(url), process_group=pg, no_dist=no_dist)
-            blocking = time.perf_counter() - t0
+            phases.mark("blocking_s")
             (getattr(fut, "upload_completion", None) or fut).result()
         else:
             dcp.save(sd, storage_writer=writer_factory(url), process_group=pg, no_dist=no_dist)
-            blocking = time.perf_counter() - t0
-        commit = time.perf_counter() - t0
-        out = blank_like(sd)
-        load, _ = _timed(lambda: dcp.load(out, storage_reader=reader_factory(url), process_group=pg, no_dist=no_dist))
-        return {"blocking_s": blocking, "commit_s": commit, "load_s": load}
+            phases.mark("blocking_s")
+        phases.saved()
+        return _dcp_load(phases, sd, url, pg, reader_factory)
 
     return run
+
+
+def torch_best_async(sd, url, pg):
+    """What a careful torch 2.13 user picks today: ``DefaultStager``, plan caching, ``FsspecWriter``.
+
+    Pinned memory, async staging and non-blocking copies need CUDA; shared
+    memory is for the PROCESS checkpointer type, not this thread one.
+    Blocking is until staging completes: until then training must not touch
+    the state dict.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    stager = DefaultStager(
+        StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda, use_non_blocking_copy=cuda)
+    )
+    phases = _Phases()
+    response = dcp.async_save(
+        sd,
+        storage_writer=_fsspec_writer(url),
+        planner=DefaultSavePlanner(enable_plan_caching=True),
+        async_stager=stager,
+        process_group=pg,
+        no_dist=pg is None,
+    )
+    staging = getattr(response, "staging_completion", None)
+    if staging is not None:
+        staging.result()
+    phases.mark("blocking_s")
+    (getattr(response, "upload_completion", None) or response).result()
+    phases.saved()
+    stager.close()
+    return _dcp_load(phases, sd, url, pg, _fsspec_reader)
 
 
 def _dcpstore_writer(url):
@@ -213,12 +275,12 @@ def raw_boto3(sd, url, pg):
     payload = bytearray(nbytes(sd))
     import io
 
-    t0 = time.perf_counter()
+    phases = _Phases()
     client.upload_fileobj(io.BytesIO(payload), bucket, f"{key}/blob-{os.getpid()}", Config=cfg)
-    commit = time.perf_counter() - t0
-    sink = io.BytesIO()
-    load, _ = _timed(lambda: client.download_fileobj(bucket, f"{key}/blob-{os.getpid()}", sink, Config=cfg))
-    return {"blocking_s": commit, "commit_s": commit, "load_s": load}
+    phases.mark("blocking_s")
+    phases.saved()
+    client.download_fileobj(bucket, f"{key}/blob-{os.getpid()}", io.BytesIO(), Config=cfg)
+    return phases.loaded()
 
 
 def contenders(with_s3tc: bool) -> dict:
@@ -228,6 +290,7 @@ def contenders(with_s3tc: bool) -> dict:
         "dcpstore ObjectStoreWriter dcp.async_save": _dcp_pair(_dcpstore_writer, _dcpstore_reader, True),
         "torch FsspecWriter dcp.save": _dcp_pair(_fsspec_writer, _fsspec_reader, False),
         "torch FsspecWriter dcp.async_save": _dcp_pair(_fsspec_writer, _fsspec_reader, True),
+        "torch DefaultStager + plan caching async_save": torch_best_async,
         "raw boto3 multipart": raw_boto3,
     }
     if with_s3tc:
@@ -266,6 +329,8 @@ def measure(name, fn, sd, url, pg, counter) -> dict:
         peak_rss_over_state=rss.peak_extra / size,
         save_mb_s=size / MiB / result["commit_s"],
         load_mb_s=size / MiB / result["load_s"],
+        save_cpu_s_per_gib=result["save_cpu_s"] / (size / GiB),
+        load_cpu_s_per_gib=result["load_cpu_s"] / (size / GiB),
         bytes=size,
     )
     return result
@@ -329,11 +394,15 @@ def run_distributed(world_size, endpoint, names, rounds, size, bucket):
                 "requests": sum(x["requests"] for x in rows),
                 "peak_rss_over_state": max(x["peak_rss_over_state"] for x in rows),
                 "bytes": sum(x["bytes"] for x in rows),
+                "save_cpu_s": sum(x["save_cpu_s"] for x in rows),
+                "load_cpu_s": sum(x["load_cpu_s"] for x in rows),
             })
         )
     for _, _, row in merged:
         row["save_mb_s"] = row["bytes"] / MiB / row["commit_s"]
         row["load_mb_s"] = row["bytes"] / MiB / row["load_s"]
+        row["save_cpu_s_per_gib"] = row["save_cpu_s"] / (row["bytes"] / GiB)
+        row["load_cpu_s_per_gib"] = row["load_cpu_s"] / (row["bytes"] / GiB)
     return merged
 
 
@@ -358,17 +427,34 @@ def add_ratios(summary: dict) -> None:
         if best_peer and name.startswith("dcpstore"):
             s["save_vs_best_peer"] = s["save_mb_s"] / best_peer["save_mb_s"]
             s["load_vs_best_peer"] = s["load_mb_s"] / best_peer["load_mb_s"]
+        # CPU per GiB against the ceiling and against s3torchconnector (issue 12's goals:
+        # save <= 1.0x s3torchconnector and <= 1.1x raw boto3, load <= 1.5x raw boto3).
+        if raw and raw["save_cpu_s_per_gib"] > 0:
+            s["save_cpu_vs_raw_boto3"] = s["save_cpu_s_per_gib"] / raw["save_cpu_s_per_gib"]
+            s["load_cpu_vs_raw_boto3"] = s["load_cpu_s_per_gib"] / raw["load_cpu_s_per_gib"]
+        s3tc = next((p for n, p in summary.items() if n.startswith("s3torchconnector")), None)
+        if s3tc and s3tc["save_cpu_s_per_gib"] > 0:
+            s["save_cpu_vs_s3torchconnector"] = s["save_cpu_s_per_gib"] / s3tc["save_cpu_s_per_gib"]
 
 
 def print_table(title: str, summary: dict) -> str:
-    lines = [f"\n{title}", f"{'contender':<44}{'block s':>9}{'commit s':>9}{'save MB/s':>10}{'load MB/s':>10}"
-             f"{'RSS/sd':>8}{'reqs':>7}{'save/raw':>9}{'save/peer':>10}"]
+    lines = [f"\n{title}", f"{'contender':<47}{'block s':>9}{'commit s':>9}{'save MB/s':>10}{'load MB/s':>10}"
+             f"{'save CPU s/GiB':>15}{'load CPU s/GiB':>15}{'RSS/sd':>8}{'reqs':>7}{'save/raw':>9}{'save/peer':>10}"]
     for name, s in summary.items():
         lines.append(
-            f"{name:<44}{s['blocking_s']:>9.3f}{s['commit_s']:>9.3f}{s['save_mb_s']:>10.0f}{s['load_mb_s']:>10.0f}"
+            f"{name:<47}{s['blocking_s']:>9.3f}{s['commit_s']:>9.3f}{s['save_mb_s']:>10.0f}{s['load_mb_s']:>10.0f}"
+            f"{s['save_cpu_s_per_gib']:>15.2f}{s['load_cpu_s_per_gib']:>15.2f}"
             f"{s['peak_rss_over_state']:>8.2f}{s['requests']:>7.0f}"
             f"{s.get('save_vs_raw_boto3', float('nan')):>9.2f}{s.get('save_vs_best_peer', float('nan')):>10.2f}"
         )
+    for name, s in summary.items():
+        if name.startswith("dcpstore") and "save_cpu_vs_raw_boto3" in s:
+            vs_s3tc = s.get("save_cpu_vs_s3torchconnector")
+            lines.append(
+                f"  {name}: CPU per GiB vs raw boto3: save {s['save_cpu_vs_raw_boto3']:.2f}x, "
+                f"load {s['load_cpu_vs_raw_boto3']:.2f}x"
+                + (f"; save vs s3torchconnector {vs_s3tc:.2f}x" if vs_s3tc is not None else "")
+            )
     text = "\n".join(lines)
     print(text, flush=True)
     return text

@@ -17,10 +17,12 @@ def test_benchmark_harness_runs_end_to_end(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     summary = results["runs"][0]["summary"]
-    assert {"dcpstore AsyncCheckpointer", "torch FsspecWriter dcp.save", "raw boto3 multipart"} <= set(summary)
+    assert {"dcpstore AsyncCheckpointer", "torch FsspecWriter dcp.save", "raw boto3 multipart",
+            "torch DefaultStager + plan caching async_save"} <= set(summary)
     for row in summary.values():
         assert row["commit_s"] > 0 and row["load_s"] > 0 and row["requests"] > 0
-        assert "save_vs_raw_boto3" in row
+        assert row["save_cpu_s_per_gib"] > 0 and row["load_cpu_s_per_gib"] > 0
+        assert "save_vs_raw_boto3" in row and "save_cpu_vs_raw_boto3" in row
     assert "save_vs_best_peer" in summary["dcpstore AsyncCheckpointer"]
     assert results["blocking_vs_clone"]["ratio_steady_state"] > 0
     assert (tmp_path / "results.png").stat().st_size > 1000
