@@ -344,8 +344,9 @@ def _original_error(exc_info) -> BaseException:
     return error
 
 
+@pytest.mark.also_rgw
 @pytest.mark.parametrize("op", ["save", "load"])
-def test_plain_dcp_reports_a_missing_bucket_with_our_error(op, moto_endpoint):
+def test_plain_dcp_reports_a_missing_bucket_with_our_error(op, endpoint):
     from torch.distributed.checkpoint.api import CheckpointException
 
     url = "s3://no-such-bucket-dcp/ckpt"
