@@ -15,13 +15,13 @@
 # dbstore backend, hence the monitor and the OSD.  State (config, logs, data,
 # pids, ports) lives in $DCPSTORE_RGW_DIR (default /tmp/dcpstore-rgw).
 #
-# Knobs: DCPSTORE_RGW_DIR, DCPSTORE_RGW_BLOCK_GIB (OSD block file, sparse; 6),
+# Knobs: DCPSTORE_RGW_DIR, DCPSTORE_RGW_BLOCK_GIB (OSD block file, sparse; 8),
 # DCPSTORE_RGW_ACCESS_KEY / DCPSTORE_RGW_SECRET_KEY (the S3 user's keys),
 # DCPSTORE_RGW_TIMEOUT (seconds each readiness wait may take; 180).
 set -euo pipefail
 
 DIR=${DCPSTORE_RGW_DIR:-/tmp/dcpstore-rgw}
-BLOCK_GIB=${DCPSTORE_RGW_BLOCK_GIB:-6}
+BLOCK_GIB=${DCPSTORE_RGW_BLOCK_GIB:-8}
 ACCESS_KEY=${DCPSTORE_RGW_ACCESS_KEY:-dcpstoreaccesskey}
 SECRET_KEY=${DCPSTORE_RGW_SECRET_KEY:-dcpstoresecretkey0123456789}
 REGION=us-east-1
@@ -147,6 +147,13 @@ rgw frontends = beast endpoint=127.0.0.1:$rgw_port
 rgw data = $DIR/rgw
 rgw thread pool size = 64
 rgw enable usage log = false
+# Deleted objects' data goes to RGW's garbage collector, which by default
+# waits 2 h and runs hourly: a benchmark that writes and deletes a few GiB
+# would fill the small OSD, and a full OSD blocks every write (the gateway
+# stops reading request bodies).  Reclaim within seconds instead.
+rgw gc obj min wait = 5
+rgw gc processor period = 5
+rgw gc processor max time = 5
 EOF
 }
 
