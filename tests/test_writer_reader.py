@@ -58,7 +58,7 @@ def test_round_trip_mixed_sizes_and_dtypes(bucket, s3):
         "blob": b"\x00\xff" * 1000,
     }
     url = f"s3://{bucket}/mixed"
-    save(sd, url, objects_per_rank=2, transfer=dcpstore.TransferConfig(part_size=5 << 20, multipart_threshold=5 << 20))
+    save(sd, url, objects_per_rank=2, transfer=dcpstore.TransferConfig(part_size=5 << 20))
     tags = [s3.head_object(Bucket=bucket, Key=k)["ETag"] for k in _keys(s3, bucket, "mixed/__")]
     assert any("-" in t for t in tags), tags  # at least one object went up in parts
     out = zeros_like_state_dict(sd)
