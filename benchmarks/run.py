@@ -2,14 +2,19 @@
 
     python -m benchmarks.run                      # 1 GiB, 3 rounds, world size 1 and 2, size sweep
     python -m benchmarks.run --size-mib 64 --rounds 1 --world-sizes 1 --sweep-mib   # quick
+    eval "$(bash scripts/ceph_rgw.sh env)" && python -m benchmarks.run --endpoint "$AWS_ENDPOINT_URL"  # a real server
 
-One moto server subprocess on loopback is started once; every contender saves
+One moto server subprocess on loopback is started once (``--endpoint URL``:
+an external S3 server instead, such as the Ceph RGW of scripts/ceph_rgw.sh,
+with credentials from the AWS environment); every contender saves
 and loads the same state dict against it, interleaved A B C A B C ... for
 ``--rounds`` rounds.  Medians are reported, with ratios measured in this run
 only (these machines are noisy: never compare absolute times across runs):
 each contender against a raw boto3 multipart PUT/GET of the same bytes, and
 dcpstore against the best peer.  Writes ``results.json`` and ``results.png``
-into ``--out``.
+into ``--out``.  A contender that fails against the server (s3torchconnector
+cannot write to Ceph RGW) is recorded as failed, with its error, and the run
+goes on.
 """
 
 from __future__ import annotations
@@ -407,16 +412,28 @@ def run_distributed(world_size, endpoint, names, rounds, size, bucket):
 
 
 def summarize(rows) -> dict:
+    """Medians per contender; a contender with no successful round is ``{"error": ...}``."""
     by_name: dict[str, list] = {}
     for name, _, result in rows:
         by_name.setdefault(name, []).append(result)
-    return {
-        name: {key: statistics.median(r[key] for r in results) for key in results[0]}
-        for name, results in by_name.items()
-    }
+    out = {}
+    for name, results in by_name.items():
+        ok = [r for r in results if "error" not in r]
+        if not ok:
+            out[name] = {"error": results[0]["error"]}
+            continue
+        out[name] = {key: statistics.median(r[key] for r in ok) for key in ok[0]}
+        if len(ok) < len(results):
+            out[name]["failed_rounds"] = len(results) - len(ok)
+    return out
+
+
+def _ok(summary: dict) -> dict:
+    return {n: s for n, s in summary.items() if "error" not in s}
 
 
 def add_ratios(summary: dict) -> None:
+    summary = _ok(summary)
     raw = summary.get("raw boto3 multipart")
     peers = {n: s for n, s in summary.items() if not n.startswith(("dcpstore", "raw"))}
     best_peer = max(peers.values(), key=lambda s: s["save_mb_s"]) if peers else None
@@ -441,6 +458,9 @@ def print_table(title: str, summary: dict) -> str:
     lines = [f"\n{title}", f"{'contender':<47}{'block s':>9}{'commit s':>9}{'save MB/s':>10}{'load MB/s':>10}"
              f"{'save CPU s/GiB':>15}{'load CPU s/GiB':>15}{'RSS/sd':>8}{'reqs':>7}{'save/raw':>9}{'save/peer':>10}"]
     for name, s in summary.items():
+        if "error" in s:
+            lines.append(f"{name:<44}  failed: {s['error'][:120]}")
+            continue
         lines.append(
             f"{name:<47}{s['blocking_s']:>9.3f}{s['commit_s']:>9.3f}{s['save_mb_s']:>10.0f}{s['load_mb_s']:>10.0f}"
             f"{s['save_cpu_s_per_gib']:>15.2f}{s['load_cpu_s_per_gib']:>15.2f}"
@@ -467,7 +487,7 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     main = results["runs"][0]
-    names = list(main["summary"])
+    names = list(_ok(main["summary"]))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 6))
     y = range(len(names))
     ax1.barh(y, [main["summary"][n]["commit_s"] for n in names], color="tab:blue", label="time to commit")
@@ -478,7 +498,7 @@ def plot(results: dict, path: str) -> None:
     ax1.set_title(f"{main['label']}")
     ax1.legend(fontsize=8)
     for name in ("dcpstore AsyncCheckpointer", "torch FsspecWriter dcp.save", "raw boto3 multipart"):
-        pts = [(s["size_mib"], s["summary"][name]["commit_s"]) for s in results.get("sweep", []) if name in s["summary"]]
+        pts = [(s["size_mib"], s["summary"][name]["commit_s"]) for s in results.get("sweep", []) if name in _ok(s["summary"])]
         if pts:
             ax2.plot(*zip(*pts), marker="o", label=name)
     ax2.set_xlabel("state dict MiB")
@@ -499,17 +519,30 @@ def main(argv=None) -> int:
                         help="state-dict sizes for the scaling sweep (world size 1); none to skip")
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--no-s3torchconnector", action="store_true")
+    parser.add_argument("--endpoint", metavar="URL",
+                        help="run against this S3 server (credentials from the AWS environment) instead of starting moto")
     args = parser.parse_args(argv)
     warnings.simplefilter("ignore")
     os.makedirs(args.out, exist_ok=True)
 
     from dcpstore.local_s3 import TEST_CREDENTIALS, MotoServer
 
-    os.environ.update(TEST_CREDENTIALS)
-    server = MotoServer()
-    os.environ["AWS_ENDPOINT_URL"] = server.endpoint
+    if args.endpoint:
+        if not os.environ.get("AWS_ACCESS_KEY_ID"):
+            parser.error("--endpoint needs credentials in the AWS environment "
+                         "(for scripts/ceph_rgw.sh: eval \"$(bash scripts/ceph_rgw.sh env)\")")
+        os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+        server = None
+        endpoint = args.endpoint
+        server_label = f"external S3 server at {endpoint}"
+    else:
+        os.environ.update(TEST_CREDENTIALS)
+        server = MotoServer()
+        endpoint = server.endpoint
+        server_label = "moto server (subprocess, loopback)"
+    os.environ["AWS_ENDPOINT_URL"] = endpoint
     machine = f"{platform.machine()} {psutil.cpu_count()} cores {psutil.virtual_memory().total / 2**30:.0f} GiB, {platform.system()}"
-    results = {"machine": machine, "date": datetime.date.today().isoformat(), "server": "moto server (subprocess, loopback)", "runs": [], "sweep": []}
+    results = {"machine": machine, "date": datetime.date.today().isoformat(), "server": server_label, "runs": [], "sweep": []}
     s3 = boto3.client("s3")
     counter = RequestCounter()
     texts = []
@@ -522,10 +555,21 @@ def main(argv=None) -> int:
             s3.create_bucket(Bucket=bucket)
             sd = make_state_dict(size_mib * MiB)
             rows = []
+            failed: set[str] = set()
             for r in range(rounds):
                 for name in names:  # interleaved: A B C ... A B C
+                    if name in failed:
+                        continue
                     url = f"s3://{bucket}/r{r}-{uuid.uuid4().hex[:6]}/step_00000001"
-                    rows.append((name, r, measure(name, table[name], sd, url, None, counter)))
+                    try:
+                        rows.append((name, r, measure(name, table[name], sd, url, None, counter)))
+                    except BaseException as e:  # noqa: BLE001 - dcp's CheckpointException is a BaseException
+                        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                            raise
+                        error = _describe(e)
+                        print(f"{name}: failed against {endpoint}: {error}", file=sys.stderr, flush=True)
+                        rows.append((name, r, {"error": error}))
+                        failed.add(name)  # it fails the same way every round
                     _empty_bucket(s3, bucket)
             return rows
 
@@ -535,7 +579,7 @@ def main(argv=None) -> int:
             else:
                 bucket = f"bench-{uuid.uuid4().hex[:8]}"
                 s3.create_bucket(Bucket=bucket)
-                rows = run_distributed(ws, server.endpoint, list(DISTRIBUTED) + ["raw boto3 multipart"], args.rounds, args.size_mib * MiB, bucket)
+                rows = run_distributed(ws, endpoint, list(DISTRIBUTED) + ["raw boto3 multipart"], args.rounds, args.size_mib * MiB, bucket)
                 _empty_bucket(s3, bucket)
             summary = summarize(rows)
             add_ratios(summary)
@@ -552,11 +596,12 @@ def main(argv=None) -> int:
         texts.append(f"\ndcpstore AsyncCheckpointer blocking time / one torch.clone of the state dict: {blocking_ratio:.2f}")
         print(texts[-1])
     finally:
-        server.stop()
+        if server is not None:
+            server.stop()
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=2, default=str)
     with open(os.path.join(args.out, "results.txt"), "w") as f:
-        f.write(f"machine: {machine}\n" + "\n".join(texts) + "\n")
+        f.write(f"machine: {machine}\nserver: {server_label}\n" + "\n".join(texts) + "\n")
     plot(results, os.path.join(args.out, "results.png"))
     print(f"\nwrote {args.out}/results.json, results.txt, results.png")
     return 0
@@ -585,6 +630,16 @@ def _blocking_vs_memcpy(sd, results) -> float:
     results["blocking_vs_clone"] = {"blocking_s": blocking, "clone_s": clones, "ratio_steady_state": ratio,
                                     "ratio_first_save": blocking[0] / statistics.median(clones)}
     return ratio
+
+
+def _describe(e: BaseException) -> str:
+    """One line: the root cause (dcp wraps each rank's error in a CheckpointException)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        e = next(iter(failures.values()))
+        if isinstance(e, tuple):  # (exception, stack summary)
+            e = e[0]
+    return " ".join(f"{type(e).__name__}: {e}".split())
 
 
 def _empty_bucket(s3, bucket):

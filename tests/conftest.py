@@ -5,6 +5,7 @@ import uuid
 import boto3
 import pytest
 
+from rgw import RgwUnavailable, rgw_server
 from s3server import FaultProxy, MotoServer
 
 AWS_ENV = {
@@ -26,9 +27,98 @@ def moto_endpoint():
     server.stop()
 
 
+# -- which S3 server a test talks to ------------------------------------------------------
+#
+# Tests reach the server through the ``endpoint`` fixture (``s3``, ``bucket``
+# and ``proxy`` build on it).  By default that is the session's moto server.
+# A test marked ``@pytest.mark.also_rgw`` runs twice, as ``test[moto]`` and as
+# ``test[rgw]`` against a Ceph RADOS Gateway (scripts/ceph_rgw.sh); the rgw
+# variant carries the ``rgw`` marker, which the default run deselects
+# (pyproject: ``-m 'not rgw'``) and ``pytest -m rgw`` selects.
+# ``also_rgw(world_size=2)`` limits the rgw variants to those parameters;
+# ``also_rgw(xfail=REASON)`` expects the rgw variant to fail (strict).
+# Both markers are registered in pyproject.toml.
+
+
+def pytest_generate_tests(metafunc):
+    if "s3_server" in metafunc.fixturenames and metafunc.definition.get_closest_marker("also_rgw"):
+        metafunc.parametrize(
+            "s3_server", ["moto", pytest.param("rgw", marks=pytest.mark.rgw)], indirect=True, scope="function"
+        )
+
+
+def pytest_collection_modifyitems(config, items):
+    keep, drop = [], []
+    for item in items:
+        marker = item.get_closest_marker("also_rgw")
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if not marker or params.get("s3_server") != "rgw":
+            keep.append(item)
+            continue
+        wanted = {k: v for k, v in marker.kwargs.items() if k != "xfail"}
+        if any(params.get(k) != v for k, v in wanted.items()):
+            drop.append(item)
+            continue
+        if "xfail" in marker.kwargs:  # a known difference of the server: must keep failing until fixed
+            item.add_marker(pytest.mark.xfail(reason=marker.kwargs["xfail"], strict=True))
+        keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture
-def s3(moto_endpoint):
-    return boto3.client("s3", endpoint_url=moto_endpoint)
+def s3_server(request) -> str:
+    """"moto" or "rgw": the server this test runs against."""
+    return getattr(request, "param", "moto")
+
+
+@pytest.fixture(scope="session")
+def rgw_gateway():
+    """The Ceph RGW tier's server: a running one, or one started for the session.
+
+    Skips the rgw tests with the reason when there is neither, or fails them
+    when ``DCPSTORE_RGW_REQUIRED=1`` (CI, where a skipped tier must not pass).
+    """
+    try:
+        server = rgw_server()
+    except RgwUnavailable as e:
+        if os.environ.get("DCPSTORE_RGW_REQUIRED") == "1":
+            pytest.fail(f"rgw tier: no Ceph RADOS Gateway (DCPSTORE_RGW_REQUIRED=1): {e}")
+        pytest.skip(f"rgw tier: no Ceph RADOS Gateway: {e}")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def rgw_fault_proxy(rgw_gateway):
+    proxy = FaultProxy(rgw_gateway.endpoint)
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture
+def endpoint(s3_server, request, monkeypatch):
+    """This test's S3 endpoint; the AWS environment (what dcpstore and workers see) points at it."""
+    if s3_server == "moto":
+        return request.getfixturevalue("moto_endpoint")
+    server = request.getfixturevalue("rgw_gateway")
+    for k, v in server.env.items():
+        monkeypatch.setenv(k, v)
+    _forget_cached_s3_clients()  # fsspec's cached S3FileSystem would still talk to moto
+    request.addfinalizer(_forget_cached_s3_clients)
+    return server.endpoint
+
+
+def _forget_cached_s3_clients():
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def s3(endpoint):
+    return boto3.client("s3", endpoint_url=endpoint)
 
 
 @pytest.fixture
@@ -46,7 +136,9 @@ def fault_proxy(moto_endpoint):
 
 
 @pytest.fixture
-def proxy(fault_proxy):
+def proxy(s3_server, endpoint, request):
+    """A FaultProxy in front of this test's server, cleared before and after the test."""
+    fault_proxy = request.getfixturevalue("fault_proxy" if s3_server == "moto" else "rgw_fault_proxy")
     fault_proxy.clear()
     yield fault_proxy
     fault_proxy.clear()

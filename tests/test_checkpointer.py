@@ -43,6 +43,7 @@ def test_save_returns_before_upload_finishes(bucket, proxy):
     "world_size,planning,plan_collective",
     [(2, "central", "scatter_object_list"), (4, "central", "scatter_object_list"), (2, "decentralized", "all_gather_object")],
 )
+@pytest.mark.also_rgw(world_size=2, planning="central")
 def test_plans_are_exchanged_once_then_reused(world_size, planning, plan_collective, bucket, s3):
     results = run_ranks(checkpointer_three_saves, world_size, f"s3://{bucket}/run", planning)
     stored_items = len(read_metadata_raw(s3, bucket, "run/step_00000030").storage_data)
@@ -63,6 +64,7 @@ def test_plans_are_exchanged_once_then_reused(world_size, planning, plan_collect
     assert sum(s[1] for s in staged) == sum(s[2] for s in staged) == stored_items
 
 
+@pytest.mark.also_rgw(world_size=2)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_resume_reuses_persisted_plans_and_falls_back_on_change(world_size, bucket, proxy):
     root = f"s3://{bucket}/run"
@@ -121,6 +123,7 @@ def test_upload_error_on_one_rank_raises_everywhere_and_next_save_works(bucket, 
     assert object_exists(s3, bucket, "run/step_00000003/.metadata")
 
 
+@pytest.mark.also_rgw
 def test_keep_last_prunes_only_committed_older_steps(bucket, s3):
     root = f"s3://{bucket}/run"
     s3.put_object(Bucket=bucket, Key="run/step_00000000/__0_0.distcp", Body=b"orphan")  # incomplete step
@@ -160,6 +163,7 @@ def test_single_process_cpu_path_and_staging_isolation(bucket):
     ckpt.close()
 
 
+@pytest.mark.also_rgw
 def test_saving_a_committed_step_again_fails_on_every_rank(bucket):
     root = f"s3://{bucket}/run"
     run_ranks(checkpointer_save_steps, 2, root, (1,), 0)

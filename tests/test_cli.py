@@ -26,6 +26,7 @@ def run_root(bucket, s3):
     return root, upload["UploadId"]
 
 
+@pytest.mark.also_rgw
 def test_ls(run_root, s3, bucket, capsys):
     root, _ = run_root
     s3.create_multipart_upload(Bucket=bucket, Key="run-7/step_00000400/__0_0.distcp")  # a save's first part in flight
@@ -63,6 +64,7 @@ def test_ls_and_help_do_not_import_torch(run_root):
     assert "committed" in out.stdout
 
 
+@pytest.mark.also_rgw
 def test_inspect_json_and_text(run_root, capsys):
     root, _ = run_root
     assert main(["inspect", f"{root}/step_00000200", "--json"]) == 0
@@ -81,6 +83,7 @@ def test_inspect_incomplete_step_fails_clearly(run_root, capsys):
     assert "incomplete or missing checkpoint" in capsys.readouterr().err
 
 
+@pytest.mark.also_rgw
 def test_verify_ok_then_truncated_then_corrupted(run_root, s3, bucket, capsys):
     root, _ = run_root
     url = f"{root}/step_00000100"
@@ -101,6 +104,7 @@ def test_verify_ok_then_truncated_then_corrupted(run_root, s3, bucket, capsys):
     assert "truncated" in out and key.split("/")[-1] in out
 
 
+@pytest.mark.also_rgw
 def test_gc_dry_run_then_for_real(run_root, s3, bucket, capsys):
     root, upload_id = run_root
     assert main(["gc", root, "--keep-last", "1", "--grace", "0", "--dry-run"]) == 0
@@ -120,7 +124,8 @@ def test_gc_grace_protects_recent_incomplete_steps(run_root, s3, bucket):
     assert object_exists(s3, bucket, "run-7/step_00000300/__0_0.distcp")
 
 
-def test_bad_uri_and_missing_bucket(moto_endpoint, capsys):
+@pytest.mark.also_rgw
+def test_bad_uri_and_missing_bucket(endpoint, capsys):
     assert main(["ls", "nosuch://x/y"]) == 1
     assert "unknown URL scheme 'nosuch'" in capsys.readouterr().err
     assert main(["inspect", "s3://no-such-bucket-cli/x"]) == 1

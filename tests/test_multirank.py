@@ -34,6 +34,7 @@ def assert_loaded(result, seed=0):
             assert result[k] == v, k
 
 
+@pytest.mark.also_rgw(world_size=2)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sharded_round_trip_reshard_and_stock_reader(world_size, bucket, s3):
     url = f"s3://{bucket}/ckpt"

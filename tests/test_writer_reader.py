@@ -14,6 +14,7 @@ import dcpstore
 from conftest import object_exists, read_metadata_raw
 from dcpstore import planner_data
 from helpers import assert_state_dict_equal, sample_state_dict, zeros_like_state_dict
+from rgw import IF_MATCH_QUOTED_ETAG
 
 
 def save(sd, url, **kwargs):
@@ -26,6 +27,7 @@ def load(sd, url, **kwargs):
     return sd
 
 
+@pytest.mark.also_rgw
 def test_round_trip_bit_exact(bucket, s3):
     sd = sample_state_dict()
     url = f"s3://{bucket}/ckpt"
@@ -36,6 +38,35 @@ def test_round_trip_bit_exact(bucket, s3):
     assert_state_dict_equal(load(zeros_like_state_dict(sd), url), sd)
 
 
+@pytest.mark.also_rgw
+def test_round_trip_mixed_sizes_and_dtypes(bucket, s3):
+    """Tiny to multipart-sized items, every common dtype, a 0-d tensor and bytes: back bit-exact."""
+    g = torch.Generator().manual_seed(7)
+    sd = {
+        "big": torch.randn(3 << 20, generator=g),  # 12 MiB: a multipart object at 5 MiB parts
+        "u8": torch.randint(0, 256, (6 << 20,), generator=g, dtype=torch.uint8),
+        "f16": torch.randn(123, generator=g).half(),
+        "bf16": torch.randn(64, 64, generator=g).to(torch.bfloat16),
+        "f64": torch.randn(1000, generator=g, dtype=torch.float64),
+        "i8": torch.randint(-128, 128, (1,), generator=g, dtype=torch.int8),
+        "i32": torch.randint(-(2**31), 2**31 - 1, (9, 3), generator=g, dtype=torch.int32),
+        "mask": torch.rand(7, generator=g) > 0.5,
+        "c64": torch.randn(10, generator=g, dtype=torch.complex64),
+        "scalar": torch.tensor(3, dtype=torch.int64),
+        "strided": torch.randn(40, 30, generator=g).t(),  # non-contiguous
+        "meta": {"step": 42, "name": "run-7"},
+        "blob": b"\x00\xff" * 1000,
+    }
+    url = f"s3://{bucket}/mixed"
+    save(sd, url, objects_per_rank=2, transfer=dcpstore.TransferConfig(part_size=5 << 20))
+    tags = [s3.head_object(Bucket=bucket, Key=k)["ETag"] for k in _keys(s3, bucket, "mixed/__")]
+    assert any("-" in t for t in tags), tags  # at least one object went up in parts
+    out = zeros_like_state_dict(sd)
+    out["strided"] = torch.zeros(30, 40)
+    assert_state_dict_equal(load(out, url), sd)
+
+
+@pytest.mark.also_rgw
 def test_stock_fsspec_reader_loads_our_checkpoint(bucket):
     sd = sample_state_dict(1)
     url = f"s3://{bucket}/ckpt"
@@ -93,6 +124,7 @@ def test_non_dict_planner_data_round_trips_unchanged(bucket, s3):
     assert_state_dict_equal(load({"w": torch.zeros(6)}, url), sd)
 
 
+@pytest.mark.also_rgw
 def test_existing_checkpoint_is_not_overwritten(bucket, s3):
     url = f"s3://{bucket}/ckpt"
     save({"w": torch.ones(4)}, url)
@@ -103,6 +135,7 @@ def test_existing_checkpoint_is_not_overwritten(bucket, s3):
     assert torch.equal(load({"w": torch.zeros(4)}, url)["w"], torch.ones(4))
 
 
+@pytest.mark.also_rgw(xfail=IF_MATCH_QUOTED_ETAG)
 def test_overwrite_replaces_only_after_commit(bucket, s3, proxy):
     url = f"s3://{bucket}/ckpt"
     save({"w": torch.ones(4)}, url)
@@ -130,7 +163,8 @@ def test_missing_metadata_is_incomplete_checkpoint(bucket, s3):
         load({"w": torch.zeros(4)}, url)
 
 
-def test_missing_bucket_on_load(moto_endpoint):
+@pytest.mark.also_rgw
+def test_missing_bucket_on_load(endpoint):
     with pytest.raises(dcpstore.BucketNotFoundError, match="bucket 'no-such-bucket-y' does not exist"):
         dcpstore.ObjectStoreReader("s3://no-such-bucket-y/ckpt").read_metadata()
     with pytest.raises(BaseException, match="bucket 'no-such-bucket-y' does not exist"):
@@ -151,6 +185,7 @@ def test_truncated_shard_is_named(bucket, s3):
         load({"w": torch.zeros(1000)}, url)
 
 
+@pytest.mark.also_rgw
 def test_corrupted_shard_fails_checksum(bucket, s3):
     url = f"s3://{bucket}/ckpt"
     save({"w": torch.randn(1000)}, url, objects_per_rank=1)
@@ -183,6 +218,7 @@ def test_storage_options_survive_reset(bucket, proxy):
     assert any(path.startswith(f"/{bucket}/b/") for _, path in proxy.requests)
 
 
+@pytest.mark.also_rgw
 def test_async_save_with_our_writer(bucket):
     sd = sample_state_dict(3)
     url = f"s3://{bucket}/ckpt"
@@ -256,6 +292,7 @@ class _RacingWriter(dcpstore.ObjectStoreWriter):
         return super().write_data(plan, planner)
 
 
+@pytest.mark.also_rgw
 def test_two_jobs_on_one_prefix_exactly_one_commits(bucket, s3):
     url = f"s3://{bucket}/ckpt"
     rival = lambda: save({"w": torch.full((100,), 9.0)}, url)  # noqa: E731
@@ -272,6 +309,7 @@ def test_two_jobs_on_one_prefix_exactly_one_commits(bucket, s3):
     assert _keys(s3, bucket) == rival_keys  # the loser deleted the shards it wrote
 
 
+@pytest.mark.also_rgw(xfail=IF_MATCH_QUOTED_ETAG)
 def test_overwrite_does_not_replace_a_commit_it_has_not_seen(bucket, s3):
     url = f"s3://{bucket}/ckpt"
     save({"w": torch.ones(10)}, url)
@@ -292,7 +330,8 @@ def test_two_jobs_on_one_local_prefix(scheme, tmp_path):
     assert torch.equal(load({"w": torch.zeros(10)}, url)["w"], torch.full((10,), 9.0))
 
 
-def test_missing_bucket_on_multipart_save_is_named(moto_endpoint):
+@pytest.mark.also_rgw
+def test_missing_bucket_on_multipart_save_is_named(endpoint):
     big = {"w": torch.zeros(6 << 20, dtype=torch.uint8)}  # above one 5 MiB part
     transfer = dcpstore.TransferConfig(part_size=5 << 20)
     with pytest.raises(BaseException, match="bucket 'no-such-bucket-z' does not exist"):
@@ -305,8 +344,9 @@ def _original_error(exc_info) -> BaseException:
     return error
 
 
+@pytest.mark.also_rgw
 @pytest.mark.parametrize("op", ["save", "load"])
-def test_plain_dcp_reports_a_missing_bucket_with_our_error(op, moto_endpoint):
+def test_plain_dcp_reports_a_missing_bucket_with_our_error(op, endpoint):
     from torch.distributed.checkpoint.api import CheckpointException
 
     url = "s3://no-such-bucket-dcp/ckpt"
