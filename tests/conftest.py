@@ -35,8 +35,7 @@ def moto_endpoint():
 # ``test[rgw]`` against a Ceph RADOS Gateway (scripts/ceph_rgw.sh); the rgw
 # variant carries the ``rgw`` marker, which the default run deselects
 # (pyproject: ``-m 'not rgw'``) and ``pytest -m rgw`` selects.
-# ``also_rgw(world_size=2)`` limits the rgw variants to those parameters;
-# ``also_rgw(xfail=REASON)`` expects the rgw variant to fail (strict).
+# ``also_rgw(world_size=2)`` limits the rgw variants to those parameters.
 # Both markers are registered in pyproject.toml.
 
 
@@ -55,12 +54,9 @@ def pytest_collection_modifyitems(config, items):
         if not marker or params.get("s3_server") != "rgw":
             keep.append(item)
             continue
-        wanted = {k: v for k, v in marker.kwargs.items() if k != "xfail"}
-        if any(params.get(k) != v for k, v in wanted.items()):
+        if any(params.get(k) != v for k, v in marker.kwargs.items()):
             drop.append(item)
             continue
-        if "xfail" in marker.kwargs:  # a known difference of the server: must keep failing until fixed
-            item.add_marker(pytest.mark.xfail(reason=marker.kwargs["xfail"], strict=True))
         keep.append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)

@@ -110,10 +110,3 @@ def rgw_server() -> RgwServer:
         server.stop()
         raise
     return server
-
-
-# Known differences from moto (and AWS) that the rgw tier records as strict xfails.
-IF_MATCH_QUOTED_ETAG = (
-    "Ceph RGW 16.2 (Debian 12) answers 412 to PutObject If-Match with the quoted ETag its own GET/HEAD "
-    "return; it matches only the bare hex. dcpstore sends the ETag as returned, so overwrite=True cannot commit there"
-)

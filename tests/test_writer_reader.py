@@ -14,7 +14,6 @@ import dcpstore
 from conftest import object_exists, read_metadata_raw
 from dcpstore import planner_data
 from helpers import assert_state_dict_equal, sample_state_dict, zeros_like_state_dict
-from rgw import IF_MATCH_QUOTED_ETAG
 
 
 def save(sd, url, **kwargs):
@@ -135,7 +134,7 @@ def test_existing_checkpoint_is_not_overwritten(bucket, s3):
     assert torch.equal(load({"w": torch.zeros(4)}, url)["w"], torch.ones(4))
 
 
-@pytest.mark.also_rgw(xfail=IF_MATCH_QUOTED_ETAG)
+@pytest.mark.also_rgw
 def test_overwrite_replaces_only_after_commit(bucket, s3, proxy):
     url = f"s3://{bucket}/ckpt"
     save({"w": torch.ones(4)}, url)
@@ -309,7 +308,7 @@ def test_two_jobs_on_one_prefix_exactly_one_commits(bucket, s3):
     assert _keys(s3, bucket) == rival_keys  # the loser deleted the shards it wrote
 
 
-@pytest.mark.also_rgw(xfail=IF_MATCH_QUOTED_ETAG)
+@pytest.mark.also_rgw
 def test_overwrite_does_not_replace_a_commit_it_has_not_seen(bucket, s3):
     url = f"s3://{bucket}/ckpt"
     save({"w": torch.ones(10)}, url)

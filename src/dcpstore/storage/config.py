@@ -45,6 +45,11 @@ class TransferConfig:
     max_concurrency: int = 16
     connect_timeout: float = 10.0
     read_timeout: float = 120.0
+    # A request that sends a body gets connect_timeout + read_timeout +
+    # body size / min_send_rate (bytes/s) in all, then counts as timed out
+    # and is retried: the socket timeouts cover connecting and reading, not
+    # a server that stops reading the body (found on a full Ceph OSD).
+    min_send_rate: float = 1 * MiB
     retry: RetryPolicy = RetryPolicy()
 
     def __post_init__(self) -> None:
@@ -52,3 +57,5 @@ class TransferConfig:
             raise ValueError("part_size must be at least 5 MiB (the S3 minimum part size)")
         if self.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
+        if self.min_send_rate <= 0:
+            raise ValueError("min_send_rate must be > 0")
