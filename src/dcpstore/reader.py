@@ -51,10 +51,10 @@ from .errors import (
 from .layout import METADATA_KEY
 from .safe_pickle import check_bytes_item, loads_metadata
 from .tensor_archive import load_tensor
-from .storage import ObjectStore, TransferConfig, is_store_url, normalize_url, open_store
+from .storage import ObjectStore, StoreOwner, TransferConfig, is_store_url
 
 
-class ObjectStoreReader(StorageReader):
+class ObjectStoreReader(StorageReader, StoreOwner):
     """Read DCP checkpoints from ``url``; any DCP checkpoint, not only dcpstore's.
 
     Args:
@@ -107,30 +107,17 @@ class ObjectStoreReader(StorageReader):
         self._store: ObjectStore | None = None
         self.reset(url)
 
-    @property
-    def store(self) -> ObjectStore:
-        """The store at ``url``: opened by ``reset`` (or on first use after ``close``), released by ``close``."""
-        if self._store is None:
-            self._store = open_store(self.url, self.storage_options, self.transfer)
-        return self._store
-
     def close(self) -> None:
         """Release the store (its pools go with the last store on them).
 
         ``dcp.load`` never calls it; a reader nobody closes releases its
         store when it is garbage-collected.
         """
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        self.release_store()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            url = normalize_url(checkpoint_id)
-            store = open_store(url, self.storage_options, self.transfer)
-            if self._store is not None:
-                self._store.close()
-            self.url, self._store = url, store
+            self.move_store(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self.storage_data: dict = {}
         self._checksums: dict = {}

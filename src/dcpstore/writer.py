@@ -74,7 +74,7 @@ from .errors import CheckpointExistsError, ConditionalWriteError, DcpstoreError,
 from .layout import METADATA_KEY
 from .reader import parse_metadata
 from .staging import resolve_item
-from .storage import ObjectStore, ObjectWriter, TransferConfig, is_store_url, normalize_url, open_store
+from .storage import ObjectStore, ObjectWriter, StoreOwner, TransferConfig, is_store_url
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def _carried_plan(plan: SavePlan) -> SavePlan | None:
     return carrier.plan
 
 
-class ObjectStoreWriter(StorageWriter):
+class ObjectStoreWriter(StorageWriter, StoreOwner):
     """Write DCP checkpoints to ``url`` (``s3://bucket/prefix``, ``file://...``, ``memory://...``).
 
     Args:
@@ -266,13 +266,6 @@ class ObjectStoreWriter(StorageWriter):
         self._store: ObjectStore | None = None
         self.reset(url)
 
-    @property
-    def store(self) -> ObjectStore:
-        """The store at ``url``: opened by ``reset`` (or on first use after ``close``), released by ``close``."""
-        if self._store is None:
-            self._store = open_store(self.url, self.storage_options, self.transfer)
-        return self._store
-
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the store and the thread pool, which ``store`` and ``write_data`` rebuild.
 
@@ -288,11 +281,7 @@ class ObjectStoreWriter(StorageWriter):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            url = normalize_url(checkpoint_id)
-            store = open_store(url, self.storage_options, self.transfer)
-            if self._store is not None:
-                self._store.close()
-            self.url, self._store = url, store
+            self.move_store(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
@@ -524,6 +513,4 @@ class ObjectStoreWriter(StorageWriter):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
-        if self._store is not None:
-            self._store.close()
-            self._store = None
+        self.release_store()

@@ -18,7 +18,7 @@ Layers, top down:
 from .base import MultipartUploadInfo, ObjectInfo, ObjectStore, ObjectWriter
 from .config import RetryPolicy, TransferConfig
 from .local import LocalObjectStore
-from .registry import is_store_url, normalize_url, open_store
+from .registry import StoreOwner, is_store_url, normalize_url, open_store
 from .s3 import S3ObjectStore
 from .translate import is_retryable, translate_error
 

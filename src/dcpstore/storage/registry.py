@@ -86,3 +86,38 @@ def _store_class(url: str) -> type[ObjectStore]:
     if protocol in ("file", "local"):
         return LocalObjectStore
     return ObjectStore
+
+
+class StoreOwner:
+    """The store of an object that reads or writes at ``self.url``, and owns it.
+
+    For ``ObjectStoreWriter`` and ``ObjectStoreReader``, which set
+    ``url``, ``storage_options``, ``transfer`` and ``_store = None``:
+    ``move_store`` opens the store of a new URL (before it releases the old
+    one, so their shared connection stays up), ``store`` reopens it on first
+    use after ``release_store`` (or after unpickling, which drops it).
+    """
+
+    url: str
+    storage_options: dict[str, Any]
+    transfer: TransferConfig
+    _store: ObjectStore | None
+
+    @property
+    def store(self) -> ObjectStore:
+        """The store at ``url``: opened by ``reset`` (or on first use after ``close``), released by ``close``."""
+        if self._store is None:
+            self._store = open_store(self.url, self.storage_options, self.transfer)
+        return self._store
+
+    def move_store(self, url: str | os.PathLike) -> None:
+        url = normalize_url(url)
+        store = open_store(url, self.storage_options, self.transfer)
+        self.release_store()
+        self.url, self._store = url, store
+
+    def release_store(self) -> None:
+        """Release the store (its pools go with the last store on them).  Idempotent."""
+        if self._store is not None:
+            self._store.close()
+            self._store = None
