@@ -43,9 +43,12 @@ def _when(ts: float | None) -> str:
     return datetime.datetime.fromtimestamp(ts, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if ts else "-"
 
 
-def _tty() -> bool:
-    """Progress bars only for a person watching: not in logs, pipes or CI."""
-    return sys.stderr.isatty()
+def _progress(items: list, desc: str, unit: str, at_least: int = 1):
+    """A progress bar over ``items``, only for a person watching and only when there are ``at_least``.
+
+    ``disable=None`` is tqdm's own "not on a non-TTY": no bars in logs, pipes or CI.
+    """
+    return tqdm(items, desc=desc, unit=unit, disable=True if len(items) < at_least else None)
 
 
 # -- commands -------------------------------------------------------------------------------
@@ -153,7 +156,7 @@ def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
             )
     if not deep or problems:
         return problems
-    for index, info in tqdm(list(storage.items()), desc="verify", unit="item", disable=not (progress and _tty())):
+    for index, info in (_progress(list(storage.items()), "verify", "item") if progress else storage.items()):
         where = f"{store.url_for(info.relative_path)} ({index.fqn!r})"
         raw = store.get_range(info.relative_path, info.offset, info.offset + info.length)
         if index in checksums and zlib.crc32(raw) != checksums[index]:
@@ -239,12 +242,12 @@ def cmd_gc(args) -> int:
         print(f"{verb} committed step {s.step} (beyond --keep-last {args.keep_last})")
     if args.dry_run:
         return 0
-    for u in tqdm(uploads, desc="abort uploads", unit="upload", disable=len(uploads) < 20 or not _tty()):
+    for u in _progress(uploads, "abort uploads", "upload", at_least=20):
         store.abort_upload(u.key, u.upload_id)
     deleted = 0
-    for s in tqdm(incomplete, desc="delete incomplete steps", unit="step", disable=len(incomplete) < 5 or not _tty()):
+    for s in _progress(incomplete, "delete incomplete steps", "step", at_least=5):
         deleted += delete_incomplete_step(store, s)
-    for s in tqdm(pruned, desc="delete steps", unit="step", disable=len(pruned) < 5 or not _tty()):
+    for s in _progress(pruned, "delete steps", "step", at_least=5):
         delete_committed_step(store, s.prefix)
     print(f"done: {deleted} incomplete and {len(pruned)} committed steps deleted, {len(uploads)} uploads aborted")
     return 0
