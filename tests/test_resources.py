@@ -33,8 +33,7 @@ def rss() -> int:
 def threads() -> tuple[int, int]:
     """Python threads and OS threads, less the default executor of fsspec's I/O loop.
 
-    aiohttp reads request bodies that are files (see ``s3._ViewReader``) on
-    that executor.  It belongs to the event loop fsspec keeps for the life
+    aiohttp resolves host names (``getaddrinfo``) on that executor.  It belongs to the event loop fsspec keeps for the life
     of the process and is bounded (``min(32, cpus + 4)`` threads) however
     many stores come and go, so it is no store's to free.
     """

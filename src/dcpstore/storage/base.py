@@ -245,12 +245,15 @@ class ObjectStore:
         return path_stripped
 
     def _checked_range(self, key: str, start: int, end: int, data) -> bytes:
-        if len(data) != end - start:
+        self._check_range_length(key, start, end, len(data))
+        return data
+
+    def _check_range_length(self, key: str, start: int, end: int, received: int) -> None:
+        if received != end - start:
             raise CorruptCheckpointError(
                 f"{self.url_for(key)}: object is truncated: expected bytes [{start}, {end}) "
-                f"but only {len(data)} of {end - start} came back"
+                f"but {received} bytes instead of {end - start} came back"
             )
-        return data
 
     def _retrying(self, op: str, key: str, fn: Callable[[], Any]) -> Any:
         for attempt in itertools.count():

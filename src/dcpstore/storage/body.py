@@ -1,0 +1,83 @@
+"""Request bodies sent from the caller's memory: no copy, no chunked re-read.
+
+A part of a shard lives in a pooled buffer that ``torch.save`` wrote into
+(``multipart``).  Handing botocore a file over it (what boto3 does) makes
+aiohttp read it back in 64 KiB chunks on an executor thread, one copy and
+one thread hop per chunk; handing aiohttp the buffer as ``bytes`` would
+need a copy to make the ``bytes``.  ``ViewBody`` is an aiohttp payload over
+a ``memoryview`` that botocore also accepts: botocore takes any object with
+``read`` as a blob, and aiobotocore passes a body that is not an
+``io.IOBase`` to aiohttp unchanged, which sends a payload by calling its
+``write_with_length``.
+
+There the view goes to the socket in slices.  asyncio's transport sends a
+write straight from the caller's memory when its own buffer is empty and
+copies only what the kernel did not take, so each slice is written once the
+buffer has drained completely (write-buffer limits of zero while the body is
+sent).  The headers go first, on their own: aiohttp coalesces headers and
+body with a join, which copies the body, on Python before 3.12.9.
+"""
+
+from __future__ import annotations
+
+import io
+
+from aiohttp.payload import Payload
+
+
+class ViewBody(Payload):
+    """A request body over ``view``, sent without a copy in Python.
+
+    Its ``read``/``seek`` exist for botocore's type check and stream reset;
+    dcpstore's client configuration (``s3.client_config``: no payload
+    signing, checksums only when required) never makes botocore read it.
+    """
+
+    SLICE_BYTES = 1 << 18  # the most a loopback socket takes per send, about; larger slices copy more
+
+    def __init__(self, view: memoryview):
+        view = memoryview(view).cast("B")
+        super().__init__(view, content_type="application/octet-stream")
+        self._size = view.nbytes
+        self._pos = 0
+
+    def __len__(self) -> int:  # botocore's Content-Length
+        return self._size
+
+    def read(self, n: int = -1) -> bytes:
+        end = self._size if n is None or n < 0 else min(self._size, self._pos + n)
+        out = bytes(self._value[self._pos : end])
+        self._pos = end
+        return out
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, min(self._size, base + offset))
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return bytes(self._value).decode(encoding, errors)
+
+    async def write(self, writer) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(self, writer, content_length: int | None) -> None:
+        view = self._value if content_length is None else self._value[:content_length]
+        writer.send_headers()
+        transport = writer.transport
+        if transport is None:  # closed under us: aiohttp's own write raises the right error
+            await writer.write(view)
+            return
+        low, high = transport.get_write_buffer_limits()
+        transport.set_write_buffer_limits(high=0, low=0)
+        try:
+            for lo in range(0, len(view), self.SLICE_BYTES):
+                await writer.drain()  # returns once the transport's buffer is empty
+                await writer.write(view[lo : lo + self.SLICE_BYTES], drain=False)
+            await writer.drain()
+        finally:
+            if not transport.is_closing():
+                transport.set_write_buffer_limits(high=high, low=low)
