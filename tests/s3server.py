@@ -50,6 +50,7 @@ class FaultProxy:
         self.upstream = upstream.split("://", 1)[1]
         self.rules: list[Rule] = []
         self.requests: list[tuple[str, str]] = []
+        self.headers: list[tuple[str, str, dict[str, str]]] = []  # (method, path, request headers)
         self._lock = threading.Lock()
         proxy = self
 
@@ -73,6 +74,8 @@ class FaultProxy:
 
             def _handle(self):
                 body = self._body()
+                with proxy._lock:
+                    proxy.headers.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
                 rule = proxy._match(self.command, self.path)
                 if rule is not None and rule.delay:
                     time.sleep(rule.delay)
@@ -135,6 +138,7 @@ class FaultProxy:
         with self._lock:
             self.rules.clear()
             self.requests.clear()
+            self.headers.clear()
 
     def _match(self, method: str, path: str) -> Rule | None:
         with self._lock:

@@ -74,6 +74,7 @@ from .errors import CheckpointExistsError, ConditionalWriteError, DcpstoreError,
 from .layout import METADATA_KEY
 from .reader import parse_metadata
 from .staging import resolve_item
+from .tensor_archive import save_tensor
 from .storage import ObjectStore, ObjectWriter, StoreOwner, TransferConfig, is_store_url
 
 logger = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ def write_items(
             if item.type == WriteItemType.BYTE_IO:
                 transform_to.write(data.getbuffer())
             else:
-                torch.save(_cpu_tensor(data), transform_to)
+                save_tensor(_cpu_tensor(data), transform_to)
             transform_to.close()
         except Exception:
             if checked.error is not None:

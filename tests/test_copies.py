@@ -1,0 +1,129 @@
+"""How often the bytes of a checkpoint are copied and passed over, counted in instrumented runs.
+
+The guard for the storage layer's per-byte cost (each copy or pass is
+0.1-0.9 CPU s/GiB, see ``storage.body``, ``s3.client_config`` and
+``tensor_archive.save_tensor``):
+
+* save: the bytes are copied once in Python land, into the part buffers
+  ``torch.save`` writes into; parts go to the socket as views of those
+  buffers (asyncio's transport copies at most what the kernel did not take
+  of a 256 KiB slice); no SHA-256 of the body (``UNSIGNED-PAYLOAD``); one
+  crc pass, dcpstore's (torch's zip crc fields are 0).
+* load: a range lands in one buffer, read straight from aiohttp's chunks,
+  and is copied from there into the destination; nothing else of an
+  item's size is made on Python's heap.
+
+Python-heap copies are counted with ``tracemalloc``, which sees every
+``bytes``/``bytearray`` allocation (part buffers are ``mmap``s and tensors
+live in torch's allocator, so neither is counted).
+"""
+
+import asyncio.selector_events
+import io
+import tracemalloc
+import zipfile
+import zlib
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcpstore
+from dcpstore import planner_data
+from dcpstore.storage import TransferConfig
+
+from conftest import read_metadata_raw
+
+MiB = 1 << 20
+PART = 8 * MiB
+BIG = 5 * PART // 2  # an item of 2.5 parts: multipart save, the split-range load
+
+
+class TransportCopies:
+    """Bytes asyncio's socket transports were handed, and bytes they kept (copied) to send later."""
+
+    def __init__(self, monkeypatch):
+        self.handed = self.kept = 0
+        original = asyncio.selector_events._SelectorSocketTransport.write
+        counter = self
+
+        def write(transport, data):
+            before = transport.get_write_buffer_size()
+            original(transport, data)
+            counter.handed += memoryview(data).nbytes
+            counter.kept += max(0, transport.get_write_buffer_size() - before)
+
+        monkeypatch.setattr(asyncio.selector_events._SelectorSocketTransport, "write", write)
+
+
+def peak_python_heap(fn) -> int:
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        fn()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def state_dict() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"big": torch.randn(BIG // 4, generator=g), "small": torch.randn(1000, generator=g)}
+
+
+def test_a_save_copies_each_byte_once_and_passes_over_it_once(bucket, s3, proxy, monkeypatch):
+    sd = state_dict()
+
+    def save(prefix: str, **storage_options) -> None:
+        writer = dcpstore.ObjectStoreWriter(
+            f"s3://{bucket}/{prefix}", storage_options=storage_options, transfer=TransferConfig(part_size=PART), objects_per_rank=1
+        )
+        dcp.save(sd, storage_writer=writer, no_dist=True)
+        writer.close()
+
+    save("warm-up")  # the client, the connections
+    # Straight to the server (the fault proxy's threads would be counted).
+    transport = TransportCopies(monkeypatch)
+    peak = peak_python_heap(lambda: save("ckpt"))
+    # No copy of a part was made on Python's heap: not a bytes() of a
+    # buffer, not a join of headers and body, not a file read back into new
+    # bytes.  What there is: the transports' leftovers of at most one 256 KiB
+    # slice per part in flight, and the requests' own small objects.
+    assert peak < 2 * MiB, f"{peak / MiB:.1f} MiB of Python heap during the save"
+    # Parts went to the socket from the buffers; the transport kept (copied)
+    # only what the kernel did not take at once.
+    stored = sum(x.numel() * x.element_size() for x in sd.values())
+    assert transport.handed >= stored
+    assert transport.kept < stored / 2, f"the transport copied {transport.kept / MiB:.1f} of {stored / MiB:.0f} MiB"
+
+    save("ckpt2", endpoint_url=proxy.endpoint)
+    # No SHA-256 pass over a body.
+    bodies = [h for m, p, h in proxy.headers if m == "PUT" and "ckpt2/" in p]
+    assert len(bodies) >= 4  # three parts and .metadata
+    assert {h["x-amz-content-sha256"] for h in bodies} == {"UNSIGNED-PAYLOAD"}
+    # One crc pass: dcpstore's, checked against the stored bytes; torch's zip crc was not computed.
+    metadata = read_metadata_raw(s3, bucket, "ckpt2")
+    crcs = planner_data.split(metadata.planner_data)[1][planner_data.CHECKSUMS_KEY]
+    for index, info in metadata.storage_data.items():
+        obj = s3.get_object(Bucket=bucket, Key=f"ckpt2/{info.relative_path}")["Body"].read()
+        item = obj[info.offset : info.offset + info.length]
+        assert zlib.crc32(item) == crcs[index]
+        assert {z.CRC for z in zipfile.ZipFile(io.BytesIO(item)).infolist()} == {0}
+        assert torch.equal(torch.load(io.BytesIO(item), weights_only=True), sd[index.fqn])  # stock torch still loads it
+
+
+@pytest.mark.parametrize("size", [3 * PART // 2, BIG], ids=["one-range", "split-range"])
+def test_a_load_lands_each_byte_in_one_buffer_then_the_destination(bucket, s3, size):
+    sd = {"big": torch.randn(size // 4, generator=torch.Generator().manual_seed(1))}
+    url = f"s3://{bucket}/ckpt"
+    transfer = TransferConfig(part_size=PART)
+    dcp.save(sd, storage_writer=dcpstore.ObjectStoreWriter(url, transfer=transfer), no_dist=True)
+    reader = dcpstore.ObjectStoreReader(url, transfer=transfer)
+    dest = {"big": torch.zeros_like(sd["big"])}
+    peak = peak_python_heap(lambda: dcp.load(dest, storage_reader=reader, no_dist=True))
+    reader.close()
+    assert torch.equal(dest["big"], sd["big"])
+    # One buffer of the item's size: a join of the chunks, a BytesIO of the
+    # bytes or a bytes() of the buffer would each add another.
+    assert size <= peak < 1.5 * size, f"{peak / MiB:.1f} MiB of Python heap to load a {size / MiB:.0f} MiB item"
