@@ -249,10 +249,15 @@ class ObjectStore:
         return data
 
     def _check_range_length(self, key: str, start: int, end: int, received: int) -> None:
-        if received != end - start:
+        if received < end - start:
             raise CorruptCheckpointError(
                 f"{self.url_for(key)}: object is truncated: expected bytes [{start}, {end}) "
-                f"but {received} bytes instead of {end - start} came back"
+                f"but only {received} of {end - start} came back"
+            )
+        if received > end - start:
+            raise CorruptCheckpointError(
+                f"{self.url_for(key)}: asked for bytes [{start}, {end}) but {received} bytes came back "
+                "(the server ignored the Range header)"
             )
 
     def _retrying(self, op: str, key: str, fn: Callable[[], Any]) -> Any:
