@@ -14,7 +14,7 @@ exactly the shape ``Tensor.__reduce_ex__`` writes (a ``_rebuild_tensor_v2``
 call on one storage, no BUILD, no other globals), then unpickled by the C
 unpickler with only those globals; the storage is a view of ``raw`` itself.
 The tensor returned therefore shares memory with ``raw``: callers copy it
-into their destination (one copy of each byte beyond the socket read) and
+into their destination (one copy of each fetched byte) and
 must not write to it.  Anything else (another pickle shape, a big-endian
 archive, quantized or newer storage types) goes to ``torch.load(weights_only=True)``,
 so the fast path can only ever refuse, never accept more than torch would.
@@ -30,6 +30,8 @@ import pickletools
 import warnings
 
 import torch
+
+from .storage.body import ViewFile
 
 # The opcodes ``torch.save(tensor)`` writes for a plain tensor's data.pkl.
 _OPCODES = frozenset(
@@ -73,39 +75,6 @@ def save_tensor(tensor: torch.Tensor, stream) -> None:
     archive.write_end_of_file()
 
 
-class _ViewFile(io.RawIOBase):
-    """A read-only file over ``view`` for torch's archive reader.
-
-    ``io.BytesIO`` would copy every byte of a ``memoryview`` or ``bytearray``
-    it is given; the reader only reads the archive's directory and
-    ``data.pkl``, a few hundred bytes.
-    """
-
-    def __init__(self, view: memoryview):
-        super().__init__()
-        self._view, self._pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), len(self._view) - self._pos))
-        b[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-
 class _NotPlain(Exception):
     """The archive is not the plain-tensor shape: use torch.load."""
 
@@ -124,7 +93,7 @@ def load_tensor(raw: bytes | memoryview) -> torch.Tensor:
 
 def _load_plain(view: memoryview) -> torch.Tensor:
     try:
-        archive = torch._C.PyTorchFileReader(_ViewFile(view))
+        archive = torch._C.PyTorchFileReader(ViewFile(view))  # io.BytesIO(view) would copy the item
         if archive.has_record("byteorder") and bytes(archive.get_record("byteorder")) != b"little":
             raise _NotPlain
         data_pkl = archive.get_record("data.pkl")

@@ -16,6 +16,10 @@ copies only what the kernel did not take, so each slice is written once the
 buffer has drained completely (write-buffer limits of zero while the body is
 sent).  The headers go first, on their own: aiohttp coalesces headers and
 body with a join, which copies the body, on Python before 3.12.9.
+
+``ViewFile`` is the file-like side of the same idea, for readers that want
+a file over bytes already in memory: ``io.BytesIO`` copies a ``memoryview``
+or ``bytearray`` it is given.
 """
 
 from __future__ import annotations
@@ -23,6 +27,34 @@ from __future__ import annotations
 import io
 
 from aiohttp.payload import Payload
+
+
+class ViewFile(io.RawIOBase):
+    """A seekable, read-only file over a ``memoryview``: reads copy only the bytes asked for."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self._view, self._pos = memoryview(view).cast("B"), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), len(self._view) - self._pos))
+        b[:n] = self._view[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 class ViewBody(Payload):
@@ -39,24 +71,20 @@ class ViewBody(Payload):
         view = memoryview(view).cast("B")
         super().__init__(view, content_type="application/octet-stream")
         self._size = view.nbytes
-        self._pos = 0
+        # Not an io.IOBase itself: aiobotocore would wrap one in its chunked reader.
+        self._file = ViewFile(view)
 
     def __len__(self) -> int:  # botocore's Content-Length
         return self._size
 
     def read(self, n: int = -1) -> bytes:
-        end = self._size if n is None or n < 0 else min(self._size, self._pos + n)
-        out = bytes(self._value[self._pos : end])
-        self._pos = end
-        return out
+        return self._file.read(n)
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, min(self._size, base + offset))
-        return self._pos
+        return self._file.seek(offset, whence)
 
     def tell(self) -> int:
-        return self._pos
+        return self._file.tell()
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         return bytes(self._value).decode(encoding, errors)

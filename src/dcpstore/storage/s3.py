@@ -351,12 +351,7 @@ async def _read_into(stream, out: memoryview) -> int:
     copied once, into ``out``: ``read()`` would first join the chunks into
     one ``bytes``.  A body longer than ``out`` is counted, not stored.
     """
-    content = getattr(getattr(stream, "_raw_stream", None), "content", None)
-    if content is None:  # not aiohttp's body (aiobotocore's httpx backend): read, then copy
-        chunk = await stream.read()
-        out[: len(chunk)] = memoryview(chunk)[: len(out)]
-        return len(chunk)
-    pos = 0
+    content, pos = stream._raw_stream.content, 0
     while chunk := await content.readany():
         n = max(0, min(len(chunk), len(out) - pos))
         out[pos : pos + n] = memoryview(chunk)[:n]
