@@ -5,10 +5,12 @@ It reads only the objects' byte ranges the ``ReadItem``s need, coalesced
 with one ranged GET, so a shard of 3,000 small optimizer-state tensors costs
 one request, not 3,000.  It keeps a bounded window of ranges in flight and
 hands items to the planner on the calling thread, because DCP planners are
-not required to be thread-safe.  Items recorded with a crc32 (see
-``planner_data``) are checked before they are deserialized, and tensors are
-read out of their archives by ``tensor_archive`` straight from the fetched
-bytes: one copy, into the destination.
+not required to be thread-safe.  Each fetched byte is copied once, from the
+socket's chunks to where it belongs (``scatter``): a tensor's data straight
+into its destination when that is a whole CPU tensor, else into a buffer of
+the item's own, from which ``tensor_archive`` reads it without another copy
+on its way to the destination.  Items recorded with a crc32 (see
+``planner_data``) are checked before they are deserialized.
 
 Nothing read from the bucket runs code here (see ``safe_pickle``): ``.metadata``
 is unpickled with an allow-list, every non-tensor item is validated with
@@ -24,7 +26,6 @@ import dataclasses
 import io
 import os
 import uuid
-import zlib
 from typing import Any, Iterable
 
 import torch
@@ -50,6 +51,7 @@ from .errors import (
 )
 from .layout import METADATA_KEY
 from .safe_pickle import check_bytes_item, loads_metadata
+from .scatter import ItemLanding, RangeScatter
 from .tensor_archive import load_tensor
 from .storage import ObjectStore, StoreOwner, TransferConfig, is_store_url
 
@@ -182,26 +184,43 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         while position < len(ranges) or pending:
             while position < len(ranges) and (not pending or in_flight < self.readahead_bytes):
                 r = ranges[position]
-                pending.append((r, self.store.get_range_async(r.key, r.start, r.end)))
+                landings = [(info, reqs, ItemLanding(info.length, self._early_target(info, reqs, planner))) for info, reqs in r.items]
+                sink = RangeScatter([(info.offset - r.start, landing) for info, _, landing in landings])
+                pending.append((r, landings, self.store.get_range_async(r.key, r.start, r.end, sink)))
                 in_flight += r.end - r.start
                 position += 1
-            r, fut = pending.popleft()
+            r, landings, fut = pending.popleft()
             in_flight -= r.end - r.start
-            data = fut.result()
-            whole = memoryview(data)
-            for info, reqs in r.items:
-                lo = info.offset - r.start
-                raw = data if lo == 0 and info.length == len(data) else whole[lo : lo + info.length]
-                self._deliver(reqs, info, raw, planner)
+            fut.result()
+            for info, reqs, landing in landings:
+                self._deliver(reqs, info, landing, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _deliver(self, reqs: list[ReadItem], info: _StorageInfo, raw: bytes | memoryview, planner: LoadPlanner) -> None:
+    def _early_target(self, info: _StorageInfo, reqs: list[ReadItem], planner: LoadPlanner) -> torch.Tensor | None:
+        """The tensor to land the item's data in, resolved before the fetch; ``None`` unless it can be.
+
+        Only a whole stored tensor read by one ``ReadItem`` with no stream
+        transforms can land as it is stored; ``ItemLanding`` then checks the
+        tensor itself (``scatter.destination_bytes``).
+        """
+        if len(reqs) != 1 or info.transform_descriptors:
+            return None
+        req = reqs[0]
+        if req.type != LoadItemType.TENSOR or any(req.storage_offsets):
+            return None
+        return planner.resolve_tensor(req).detach()
+
+    def _deliver(self, reqs: list[ReadItem], info: _StorageInfo, landing: ItemLanding, planner: LoadPlanner) -> None:
         where = f"{self.store.url_for(info.relative_path)} (item {reqs[0].storage_index.fqn!r}, bytes {info.offset}+{info.length})"
         expected = self._checksums.get(reqs[0].storage_index)
-        if expected is not None and zlib.crc32(raw) != expected:
+        if expected is not None and landing.crc32() != expected:
             raise CorruptCheckpointError(f"{where}: checksum mismatch, the shard object is corrupted")
+        raw = landing.leftover()
+        if raw is None:  # the data landed in the destination, as torch.load would read it
+            planner.commit_tensor(reqs[0], landing.target)
+            return
         raw = undo_transforms(raw, info, self.transforms, where)
         if reqs[0].type == LoadItemType.BYTE_IO:
             if not self.allow_unsafe_pickle:
@@ -215,7 +234,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
             raise CorruptCheckpointError(f"{where}: cannot deserialize the tensor ({e})") from e
         for req in reqs:
             tensor = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
-            target = planner.resolve_tensor(req).detach()
+            target = landing.target if landing.target is not None else planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
                 raise StateDictMismatchError(
                     f"{where}: shape {tuple(tensor.size())} in the checkpoint does not fit "

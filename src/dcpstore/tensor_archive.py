@@ -14,10 +14,17 @@ exactly the shape ``Tensor.__reduce_ex__`` writes (a ``_rebuild_tensor_v2``
 call on one storage, no BUILD, no other globals), then unpickled by the C
 unpickler with only those globals; the storage is a view of ``raw`` itself.
 The tensor returned therefore shares memory with ``raw``: callers copy it
-into their destination (one copy of each fetched byte) and
-must not write to it.  Anything else (another pickle shape, a big-endian
-archive, quantized or newer storage types) goes to ``torch.load(weights_only=True)``,
-so the fast path can only ever refuse, never accept more than torch would.
+into their destination and must not write to it.  Anything else (another
+pickle shape, a big-endian archive, quantized or newer storage types) goes
+to ``torch.load(weights_only=True)``, so the fast path can only ever refuse,
+never accept more than torch would.
+
+Better still, a tensor's bytes need not pass through a buffer at all
+(``scatter``): ``locate_data`` finds where the data record starts from the
+archive's first few hundred bytes, so the rest can land in the destination
+as it arrives, and ``holds_in_place`` then checks, by the same fast-path
+rules over the whole archive, that those bytes are the tensor
+``torch.load`` would return.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import functools
 import io
 import pickle
 import pickletools
+import struct
 import warnings
 
 import torch
@@ -86,14 +94,104 @@ def load_tensor(raw: bytes | memoryview) -> torch.Tensor:
     """
     view = memoryview(raw)
     try:
-        return _load_plain(view)
+        return _read_plain(ViewFile(view), view.nbytes, _view_storage(view))  # io.BytesIO(view) would copy the item
     except _NotPlain:
         return torch.load(io.BytesIO(view), map_location="cpu", weights_only=True)
 
 
-def _load_plain(view: memoryview) -> torch.Tensor:
+def holds_in_place(archive_file: ViewFile, size: int, data_start: int, target: torch.Tensor) -> bool:
+    """Whether the archive in ``archive_file`` is ``target``'s bytes as they lie at ``data_start``.
+
+    That is: the plain tensor of the fast path, of ``target``'s dtype and
+    shape, contiguous, its storage exactly the record that torch's reader
+    (central directory and all) finds at ``data_start``, so that those
+    bytes, copied as they are into a contiguous ``target``, are the tensor
+    ``torch.load`` would return.  ``locate_data`` only guessed where the
+    data starts; this decides.
+    """
+    nbytes = target.numel() * target.element_size()
+
+    def storage_at(start: int, length: int, dtype: torch.dtype):
+        if start != data_start or length != nbytes:
+            raise _NotPlain
+        return torch.empty(length, dtype=torch.uint8, device="meta").untyped_storage()
+
     try:
-        archive = torch._C.PyTorchFileReader(ViewFile(view))  # io.BytesIO(view) would copy the item
+        tensor = _read_plain(archive_file, size, storage_at)
+    except _NotPlain:
+        return False
+    return (
+        tensor.dtype == target.dtype
+        and tensor.size() == target.size()
+        and tensor.storage_offset() == 0
+        and tensor.is_contiguous()
+    )
+
+
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # a zip local file header, up to the name
+_DESCRIPTOR = struct.Struct("<4sIII")  # a data descriptor: signature, crc32, sizes
+
+
+def locate_data(head: memoryview) -> int | None:
+    """Where the first ``data/`` record's bytes start in the archive that begins with ``head``.
+
+    Walks the local file headers as ``torch.save`` writes them (stored,
+    sizes in a data descriptor after each record: the records before the
+    data, ``data.pkl`` and a few short ones, are at most ``_MAX_PICKLE``
+    bytes each).  ``None``: ``head`` is too short to tell yet.  Raises
+    ``ValueError`` for anything else.  A guess from bytes not yet checked:
+    ``holds_in_place`` decides, once the whole archive is there.
+    """
+    pos = 0
+    while True:
+        if len(head) < pos + _LOCAL_HEADER.size:
+            return None
+        signature, _, flags, method, _, _, _, _, _, name_len, extra_len = _LOCAL_HEADER.unpack_from(head, pos)
+        if signature != b"PK\x03\x04" or method != 0 or not flags & 0x08:
+            raise ValueError("not a record as torch.save writes one")
+        start = pos + _LOCAL_HEADER.size + name_len + extra_len
+        if len(head) < start:
+            return None
+        name = bytes(head[pos + _LOCAL_HEADER.size : pos + _LOCAL_HEADER.size + name_len])
+        if name.partition(b"/")[2].startswith(b"data/"):
+            return start
+        window = bytes(head[start : start + _MAX_PICKLE + _DESCRIPTOR.size])
+        length = _record_length(window)
+        if length is None:
+            if len(window) < _MAX_PICKLE + _DESCRIPTOR.size:
+                return None
+            raise ValueError("a record before the data is longer than a plain tensor's")
+        pos = start + length + _DESCRIPTOR.size
+
+
+def _record_length(window: bytes) -> int | None:
+    """The length of the record ``window`` starts with: where a data descriptor of that length follows it."""
+    end = window.find(b"PK\x07\x08")
+    while 0 <= end and end + _DESCRIPTOR.size <= len(window):
+        _, _, stored, size = _DESCRIPTOR.unpack_from(window, end)
+        if stored == size == end:
+            return end
+        end = window.find(b"PK\x07\x08", end + 1)
+    return None
+
+
+def _view_storage(view: memoryview):
+    """Storages as views of ``view`` itself: the tensor ``load_tensor`` returns shares its memory."""
+
+    def storage_at(start: int, length: int, dtype: torch.dtype):
+        with warnings.catch_warnings():
+            # The view is read-only; the tensor is only read (copied into its destination).
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(view[start : start + length], dtype=torch.uint8) if length else torch.empty(0, dtype=torch.uint8)
+        return data.untyped_storage()
+
+    return storage_at
+
+
+def _read_plain(archive_file: ViewFile, size: int, storage_at) -> torch.Tensor:
+    """The plain tensor in the archive, its storage made by ``storage_at(start, length, dtype)``."""
+    try:
+        archive = torch._C.PyTorchFileReader(archive_file)
         if archive.has_record("byteorder") and bytes(archive.get_record("byteorder")) != b"little":
             raise _NotPlain
         data_pkl = archive.get_record("data.pkl")
@@ -105,7 +203,7 @@ def _load_plain(view: memoryview) -> torch.Tensor:
         raise _NotPlain
     if not _is_plain(data_pkl):
         raise _NotPlain
-    unpickler = _PlainTensorUnpickler(io.BytesIO(data_pkl), archive, view)
+    unpickler = _PlainTensorUnpickler(io.BytesIO(data_pkl), archive, size, storage_at)
     try:
         tensor = unpickler.load()
     except _NotPlain:
@@ -135,12 +233,13 @@ def _is_plain(data_pkl: bytes) -> bool:
 
 
 class _PlainTensorUnpickler(pickle.Unpickler):
-    """The C unpickler, with storages as views of the archive's bytes."""
+    """The C unpickler, with storages made by ``storage_at`` from the records' places in the archive."""
 
-    def __init__(self, file, archive, view: memoryview):
+    def __init__(self, file, archive, size: int, storage_at):
         super().__init__(file)
         self._archive = archive
-        self._view = view
+        self._size = size
+        self._storage_at = storage_at
         self.storages = 0
 
     def find_class(self, module: str, name: str):
@@ -158,12 +257,9 @@ class _PlainTensorUnpickler(pickle.Unpickler):
         dtype = _DTYPES[storage_type]
         record = f"data/{key}"
         start = self._archive.get_record_offset(record)
-        end = start + numel * dtype.itemsize
-        if self._archive.get_record_size(record) != end - start or end > len(self._view):
+        length = numel * dtype.itemsize
+        if self._archive.get_record_size(record) != length or start + length > self._size:
             raise _NotPlain
         self.storages += 1
-        with warnings.catch_warnings():
-            # The view is read-only; the tensor is only read (copied into its destination).
-            warnings.simplefilter("ignore", UserWarning)
-            data = torch.frombuffer(self._view[start:end], dtype=torch.uint8) if end > start else torch.empty(0, dtype=torch.uint8)
-            return torch.storage.TypedStorage(wrap_storage=data.untyped_storage(), dtype=dtype, _internal=True)
+        storage = self._storage_at(start, length, dtype)
+        return torch.storage.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)

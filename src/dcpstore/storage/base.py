@@ -119,11 +119,25 @@ class ObjectStore:
             self._retrying, "PUT", key, lambda: self._put_blocking(key, data, if_none_match, if_match)
         )
 
-    def get_range_async(self, key: str, start: int, end: int) -> concurrent.futures.Future:
-        """Bytes ``[start, end)`` of ``key``; raises ``CorruptCheckpointError`` if fewer exist."""
-        return self._executor().submit(
-            self._retrying, "GET", key, lambda: self._checked_range(key, start, end, self._get_blocking(key, start, end))
-        )
+    def get_range_async(self, key: str, start: int, end: int, sink=None) -> concurrent.futures.Future:
+        """Bytes ``[start, end)`` of ``key``; raises ``CorruptCheckpointError`` if fewer exist.
+
+        With ``sink``, the bytes land there instead and the future's result
+        is ``None``: the store calls ``sink.write(offset, chunk)`` (``offset``
+        relative to ``start``) for pieces that together cover the range, one
+        call at a time, from one thread.  It may write a byte more than once
+        (a retried GET writes its part again) and pieces need not come in
+        order; a sink may keep a ``chunk`` it is given, which nobody reuses.
+        """
+
+        def op():
+            data = self._checked_range(key, start, end, self._get_blocking(key, start, end))
+            if sink is None:
+                return data
+            sink.write(0, memoryview(data))
+            return None
+
+        return self._executor().submit(self._retrying, "GET", key, op)
 
     # -- blocking API ---------------------------------------------------------
 

@@ -18,23 +18,30 @@ sent).  The headers go first, on their own: aiohttp coalesces headers and
 body with a join, which copies the body, on Python before 3.12.9.
 
 ``ViewFile`` is the file-like side of the same idea, for readers that want
-a file over bytes already in memory: ``io.BytesIO`` copies a ``memoryview``
-or ``bytearray`` it is given.
+a file over bytes already in memory, possibly in several pieces (an archive
+whose data region landed in a tensor, its head and tail in buffers):
+``io.BytesIO`` copies a ``memoryview`` or ``bytearray`` it is given.
+``BufferSink`` is the simplest place a ranged read can land its body
+(see ``ObjectStore.get_range_async``): one buffer.
 """
 
 from __future__ import annotations
 
+import bisect
 import io
+import itertools
 
 from aiohttp.payload import Payload
 
 
 class ViewFile(io.RawIOBase):
-    """A seekable, read-only file over a ``memoryview``: reads copy only the bytes asked for."""
+    """A seekable, read-only file over ``views`` end to end: reads copy only the bytes asked for."""
 
-    def __init__(self, view: memoryview):
+    def __init__(self, *views):
         super().__init__()
-        self._view, self._pos = memoryview(view).cast("B"), 0
+        self._views = [memoryview(v).cast("B") for v in views]
+        self._starts = list(itertools.accumulate((v.nbytes for v in self._views), initial=0))
+        self._size, self._pos = self._starts[-1], 0
 
     def readable(self) -> bool:
         return True
@@ -43,18 +50,40 @@ class ViewFile(io.RawIOBase):
         return True
 
     def readinto(self, b) -> int:
-        n = max(0, min(len(b), len(self._view) - self._pos))
-        b[:n] = self._view[self._pos : self._pos + n]
-        self._pos += n
+        out = memoryview(b).cast("B")
+        pos = self._pos
+        n = max(0, min(len(out), self._size - pos))
+        i = bisect.bisect_right(self._starts, pos) - 1
+        if pos + n <= self._starts[i + 1]:  # within one view: torch's reader asks for headers and records
+            lo = pos - self._starts[i]
+            out[:n] = self._views[i][lo : lo + n]
+        else:
+            done = 0
+            while done < n:
+                view, lo = self._views[i], pos + done - self._starts[i]
+                k = min(view.nbytes - lo, n - done)
+                out[done : done + k] = view[lo : lo + k]
+                done, i = done + k, i + 1
+        self._pos = pos + n
         return n
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
         self._pos = max(0, base + offset)
         return self._pos
 
     def tell(self) -> int:
         return self._pos
+
+
+class BufferSink:
+    """Where a ranged read lands: bytes ``[offset, offset + len(chunk))`` of the range go to ``view`` there."""
+
+    def __init__(self, view: memoryview):
+        self.view = view
+
+    def write(self, offset: int, chunk: memoryview) -> None:
+        self.view[offset : offset + len(chunk)] = chunk
 
 
 class ViewBody(Payload):

@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 from ..errors import ConditionalWriteError, ObjectNotFoundError, UnsupportedByStoreError
 from .base import MultipartUploadInfo, ObjectInfo, ObjectStore, ObjectWriter, refuse_unless_condition_holds, url_to_fs
-from .body import ViewBody
+from .body import BufferSink, ViewBody
 from .config import TransferConfig
 from .multipart import MultipartObjectWriter, Tries
 
@@ -114,7 +114,7 @@ class S3ObjectStore(ObjectStore):
         *,
         body=None,
         read_body: bool = False,
-        into: memoryview | None = None,
+        into: tuple[Any, int, int] | None = None,
         tries: Tries | None = None,
         **kwargs,
     ) -> Any:
@@ -125,8 +125,8 @@ class S3ObjectStore(ObjectStore):
         the failed attempt left it while declaring the full length.  With
         ``read_body`` the response body is read inside the attempt, so a
         connection cut mid-body is retried like any other transient error;
-        with ``into`` as well, the body lands in that buffer (see ``_read_into``)
-        and ``resp["Body"]`` is the number of bytes it held.
+        with ``into``, a ``(sink, offset, limit)``, the body lands in the sink
+        (see ``_read_into``) and ``resp["Body"]`` is the number of bytes it held.
         ``tries`` records how many attempts were sent, which tells a caller
         whether an earlier attempt may have taken effect unseen.
         """
@@ -142,7 +142,7 @@ class S3ObjectStore(ObjectStore):
                     resp = await getattr(client, method)(**kwargs)
                 if read_body:
                     async with resp["Body"] as stream:
-                        resp["Body"] = await (stream.read() if into is None else _read_into(stream, into))
+                        resp["Body"] = await (stream.read() if into is None else _read_into(stream, *into))
                 return resp
             except Exception as e:  # noqa: BLE001 - classified by _retry_delay
                 await asyncio.sleep(self._retry_delay(op, key, attempt, e))
@@ -217,26 +217,28 @@ class S3ObjectStore(ObjectStore):
         resp = self._run(self._call("GET", key, "get_object", read_body=True, Bucket=bucket, Key=path))
         return resp["Body"], resp.get("ETag")
 
-    def get_range_async(self, key: str, start: int, end: int) -> concurrent.futures.Future:
-        return self._submit(self._get_range(key, start, end))
+    def get_range_async(self, key: str, start: int, end: int, sink=None) -> concurrent.futures.Future:
+        return self._submit(self._get_range(key, start, end, sink))
 
-    async def _get_range(self, key: str, start: int, end: int) -> bytes | bytearray:
-        """Bytes ``[start, end)`` of ``key``, each read once, into one buffer.
+    async def _get_range(self, key: str, start: int, end: int, sink=None) -> bytes | bytearray | None:
+        """Bytes ``[start, end)`` of ``key``, each read once, into one buffer or ``sink``.
 
         Ranges of more than two parts are fetched as concurrent part-sized
-        GETs; every GET's body goes straight into its place in the buffer
-        (``_read_into``), which is handed over as it is: a ``bytes()`` of
-        it would copy every byte again.
+        GETs; every GET's body goes straight from aiohttp's chunks to its
+        place (``_read_into``).  The buffer is handed over as it is: a
+        ``bytes()`` of it would copy every byte again.
         """
         if end <= start:
-            return b""
-        out = bytearray(end - start)
-        view = memoryview(out)
+            return b"" if sink is None else None
+        out = None
+        if sink is None:
+            out = bytearray(end - start)
+            sink = BufferSink(memoryview(out))
         bucket, path = self._split(key)
 
         async def fetch(lo: int, hi: int) -> None:
             resp = await self._call(
-                "GET", key, "get_object", read_body=True, into=view[lo - start : hi - start],
+                "GET", key, "get_object", read_body=True, into=(sink, lo - start, hi - lo),
                 Bucket=bucket, Key=path, Range=f"bytes={lo}-{hi - 1}",
             )
             self._check_range_length(key, lo, hi, resp["Body"])
@@ -343,18 +345,19 @@ class S3ObjectStore(ObjectStore):
         return MultipartObjectWriter(self, key, self._connection.parts)
 
 
-async def _read_into(stream, out: memoryview) -> int:
-    """Read the response body ``stream`` into ``out``; the number of bytes the body held.
+async def _read_into(stream, sink, offset: int, limit: int) -> int:
+    """Land the response body ``stream`` in ``sink`` at ``offset``; the number of bytes the body held.
 
     Chunk by chunk as aiohttp received them from the socket (its
-    ``StreamReader.readany``, under aiobotocore's body), so each byte is
-    copied once, into ``out``: ``read()`` would first join the chunks into
-    one ``bytes``.  A body longer than ``out`` is counted, not stored.
+    ``StreamReader.readany``, under aiobotocore's body), so the sink's copy
+    is the only one: ``read()`` would first join the chunks into one
+    ``bytes``.  Bytes beyond ``limit`` are counted, not landed.
     """
     content, pos = stream._raw_stream.content, 0
     while chunk := await content.readany():
-        n = max(0, min(len(chunk), len(out) - pos))
-        out[pos : pos + n] = memoryview(chunk)[:n]
+        n = max(0, min(len(chunk), limit - pos))
+        if n:
+            sink.write(offset + pos, memoryview(chunk)[:n])
         pos += len(chunk)
     return pos
 
