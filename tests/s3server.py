@@ -34,6 +34,7 @@ class Rule:
     times: int | None = None  # apply this many times, then stop (None: always)
     seen: int = 0  # matching requests so far
     hits: int = 0  # requests the fault was applied to
+    answered: threading.Event = dataclasses.field(default_factory=threading.Event)  # a faulted request's handler is done
 
     def matches(self, method: str, path: str) -> bool:
         return (
@@ -73,10 +74,18 @@ class FaultProxy:
                 return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
             def _handle(self):
+                self.rule = None
+                try:
+                    self._serve()
+                finally:
+                    if self.rule is not None:
+                        self.rule.answered.set()
+
+            def _serve(self) -> None:
                 body = self._body()
                 with proxy._lock:
                     proxy.headers.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
-                rule = proxy._match(self.command, self.path)
+                rule = self.rule = proxy._match(self.command, self.path)
                 if rule is not None and rule.delay:
                     time.sleep(rule.delay)
                 if rule is not None and rule.reset:

@@ -11,6 +11,7 @@ data in the destination; and ``leftover`` must then give exactly what
 import io
 import random
 import struct
+import zipfile
 import zlib
 
 import pytest
@@ -146,3 +147,21 @@ def test_locate_data_waits_for_the_head_then_finds_the_data_record():
     start = locate_data(memoryview(raw))
     assert raw[start : start + 40] == t.numpy().tobytes()
     assert all(locate_data(memoryview(raw)[:cut]) is None for cut in range(start))
+
+
+def test_a_deflated_data_record_is_inflated_as_torch_load_does():
+    """torch's reader goes by the central directory and inflates a deflated record; the raw bytes are not the tensor."""
+    t = torch.arange(4096, dtype=torch.float32) % 3
+    source = zipfile.ZipFile(io.BytesIO(archive(t, torch.save)))
+    stream = io.BytesIO()
+    with zipfile.ZipFile(stream, "w") as z:
+        for info in source.infolist():
+            method = zipfile.ZIP_DEFLATED if "/data/" in info.filename else zipfile.ZIP_STORED
+            z.writestr(info.filename, source.read(info.filename), compress_type=method)
+    raw = stream.getvalue()
+    assert torch.equal(torch.load(io.BytesIO(raw), weights_only=True), t)
+    assert torch.equal(load_tensor(raw), t)
+    target = torch.zeros(4096)
+    (landing,) = land([(raw, target)], random.Random(3))
+    leftover = landing.leftover()
+    assert leftover is not None and torch.equal(load_tensor(leftover), t)

@@ -22,6 +22,7 @@ authenticate anything: whoever can rewrite an item can rewrite its checksum.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import io
 import os
@@ -51,7 +52,7 @@ from .errors import (
 )
 from .layout import METADATA_KEY
 from .safe_pickle import check_bytes_item, loads_metadata
-from .scatter import ItemLanding, RangeScatter
+from .scatter import DestinationClaims, ItemLanding, RangeScatter
 from .tensor_archive import load_tensor
 from .storage import ObjectStore, StoreOwner, TransferConfig, is_store_url
 
@@ -179,40 +180,53 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         )
 
         pending: collections.deque = collections.deque()
+        claims = DestinationClaims()
         in_flight = 0
         position = 0
-        while position < len(ranges) or pending:
-            while position < len(ranges) and (not pending or in_flight < self.readahead_bytes):
-                r = ranges[position]
-                landings = [(info, reqs, ItemLanding(info.length, self._early_target(info, reqs, planner))) for info, reqs in r.items]
-                sink = RangeScatter([(info.offset - r.start, landing) for info, _, landing in landings])
-                pending.append((r, landings, self.store.get_range_async(r.key, r.start, r.end, sink)))
-                in_flight += r.end - r.start
-                position += 1
-            r, landings, fut = pending.popleft()
-            in_flight -= r.end - r.start
-            fut.result()
-            for info, reqs, landing in landings:
-                self._deliver(reqs, info, landing, planner)
+        try:
+            while position < len(ranges) or pending:
+                while position < len(ranges) and (not pending or in_flight < self.readahead_bytes):
+                    r = ranges[position]
+                    items = [self._prepare(info, reqs, planner, claims) for info, reqs in r.items]
+                    sink = RangeScatter([(info.offset - r.start, landing) for info, _, _, landing in items])
+                    pending.append((r, items, sink, self.store.get_range_async(r.key, r.start, r.end, sink)))
+                    in_flight += r.end - r.start
+                    position += 1
+                r, items, _, fut = pending[0]
+                fut.result()
+                pending.popleft()
+                in_flight -= r.end - r.start
+                for info, reqs, targets, landing in items:
+                    self._deliver(reqs, info, targets, landing, planner)
+                    claims.release(targets)
+        except BaseException:
+            # Nothing may land in the caller's tensors once this has raised.
+            for _, _, sink, fut in pending:
+                sink.abort()
+                fut.cancel()
+            concurrent.futures.wait([fut for *_, fut in pending])
+            raise
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
-    def _early_target(self, info: _StorageInfo, reqs: list[ReadItem], planner: LoadPlanner) -> torch.Tensor | None:
-        """The tensor to land the item's data in, resolved before the fetch; ``None`` unless it can be.
+    def _prepare(self, info: _StorageInfo, reqs: list[ReadItem], planner: LoadPlanner, claims: DestinationClaims):
+        """``(info, reqs, targets, landing)`` for an item about to be fetched.
 
-        Only a whole stored tensor read by one ``ReadItem`` with no stream
-        transforms can land as it is stored; ``ItemLanding`` then checks the
-        tensor itself (``scatter.destination_bytes``).
+        A tensor item's destinations are resolved now, before the fetch, so
+        that a whole stored tensor read by one ``ReadItem`` with no stream
+        transforms can land in its destination as it arrives (``ItemLanding``
+        checks the tensor itself, ``scatter.destination_bytes``), unless
+        another item in flight writes the same memory (``DestinationClaims``).
         """
-        if len(reqs) != 1 or info.transform_descriptors:
-            return None
-        req = reqs[0]
-        if req.type != LoadItemType.TENSOR or any(req.storage_offsets):
-            return None
-        return planner.resolve_tensor(req).detach()
+        if reqs[0].type != LoadItemType.TENSOR:
+            return info, reqs, None, ItemLanding(info.length)
+        targets = [planner.resolve_tensor(req).detach() for req in reqs]
+        alone = claims.claim(targets)
+        whole = len(reqs) == 1 and not info.transform_descriptors and not any(reqs[0].storage_offsets)
+        return info, reqs, targets, ItemLanding(info.length, targets[0] if alone and whole else None)
 
-    def _deliver(self, reqs: list[ReadItem], info: _StorageInfo, landing: ItemLanding, planner: LoadPlanner) -> None:
+    def _deliver(self, reqs: list[ReadItem], info: _StorageInfo, targets, landing: ItemLanding, planner: LoadPlanner) -> None:
         where = f"{self.store.url_for(info.relative_path)} (item {reqs[0].storage_index.fqn!r}, bytes {info.offset}+{info.length})"
         expected = self._checksums.get(reqs[0].storage_index)
         if expected is not None and landing.crc32() != expected:
@@ -232,9 +246,8 @@ class ObjectStoreReader(StorageReader, StoreOwner):
             stored = load_tensor(raw)  # a view of raw: only read from, below
         except Exception as e:  # noqa: BLE001 - any failure here means bad bytes
             raise CorruptCheckpointError(f"{where}: cannot deserialize the tensor ({e})") from e
-        for req in reqs:
+        for req, target in zip(reqs, targets):
             tensor = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
-            target = landing.target if landing.target is not None else planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
                 raise StateDictMismatchError(
                     f"{where}: shape {tuple(tensor.size())} in the checkpoint does not fit "

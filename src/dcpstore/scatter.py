@@ -28,6 +28,7 @@ wrong guess costs copies, never a wrong tensor.
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
 import zlib
 
@@ -61,7 +62,7 @@ def destination_bytes(tensor: torch.Tensor | None) -> memoryview | None:
         array = tensor.detach().reshape(-1).view(torch.uint8).numpy()
     except (RuntimeError, TypeError):  # a tensor numpy cannot view (a subclass, an odd dtype)
         return None
-    return memoryview(array) if array.flags.writeable else None
+    return memoryview(array)
 
 
 class ItemLanding:
@@ -173,8 +174,15 @@ class RangeScatter:
         self._spans = spans
         self._starts = [lo for lo, _ in spans]
         self._reach = list(itertools.accumulate((lo + landing.length for lo, landing in spans), max))
+        self._aborted = False
+
+    def abort(self) -> None:
+        """Drop every piece from now on: the load failed, and its destinations are the caller's again."""
+        self._aborted = True
 
     def write(self, offset: int, chunk: memoryview) -> None:
+        if self._aborted:
+            return
         end = offset + len(chunk)
         i = bisect.bisect_right(self._reach, offset)  # the first item that ends after offset
         while i < len(self._spans) and self._starts[i] < end:
@@ -183,3 +191,42 @@ class RangeScatter:
             if a < b:
                 landing.write(a - lo, chunk[a - offset : b - offset])
             i += 1
+
+
+class DestinationClaims:
+    """The memory that the tensor items in flight will write, so that none lands where another writes.
+
+    Two items whose destinations share bytes (tied weights under two keys)
+    would each find the other's bytes there when checked.  An item lands in
+    its destination only if no other item in flight claims any of those
+    bytes; ranges are delivered in the order they were issued, so an item
+    that claims them later writes them (by ``copy_``, at its delivery) after
+    the landing was checked.  Claims are kept per storage, so the search is
+    over the views of one storage in flight.
+    """
+
+    def __init__(self):
+        self._live: dict[tuple, list[tuple[int, int]]] = collections.defaultdict(list)
+
+    def claim(self, tensors: list[torch.Tensor]) -> bool:
+        """Claim ``tensors``' memory; whether none of it was claimed already."""
+        alone = True
+        for key, span in map(_span, tensors):
+            live = self._live[key]
+            alone = alone and all(span[0] >= hi or span[1] <= lo for lo, hi in live)
+            live.append(span)
+        return alone
+
+    def release(self, tensors: list[torch.Tensor] | None) -> None:
+        for key, span in map(_span, tensors or ()):
+            live = self._live[key]
+            live.remove(span)
+            if not live:
+                del self._live[key]
+
+
+def _span(tensor: torch.Tensor) -> tuple[tuple, tuple[int, int]]:
+    """``tensor``'s storage and the bytes of it that the tensor covers (its extent, for a strided view)."""
+    start = tensor.data_ptr()
+    extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride())) if tensor.numel() else 0
+    return (tensor.device, tensor.untyped_storage().data_ptr()), (start, start + extent * tensor.element_size())

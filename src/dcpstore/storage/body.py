@@ -53,6 +53,8 @@ class ViewFile(io.RawIOBase):
         out = memoryview(b).cast("B")
         pos = self._pos
         n = max(0, min(len(out), self._size - pos))
+        if n == 0:
+            return 0
         i = bisect.bisect_right(self._starts, pos) - 1
         if pos + n <= self._starts[i + 1]:  # within one view: torch's reader asks for headers and records
             lo = pos - self._starts[i]

@@ -244,7 +244,15 @@ class S3ObjectStore(ObjectStore):
             self._check_range_length(key, lo, hi, resp["Body"])
 
         step = self.transfer.part_size if end - start > 2 * self.transfer.part_size else end - start
-        await asyncio.gather(*(fetch(lo, min(lo + step, end)) for lo in range(start, end, step)))
+        parts = [asyncio.ensure_future(fetch(lo, min(lo + step, end))) for lo in range(start, end, step)]
+        try:
+            await asyncio.gather(*parts)
+        except BaseException:
+            # No part may go on landing bytes once the range has failed (or was cancelled).
+            for part in parts:
+                part.cancel()
+            await asyncio.gather(*parts, return_exceptions=True)
+            raise
         return out
 
     def get(self, key: str) -> bytes:
