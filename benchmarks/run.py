@@ -357,9 +357,10 @@ def _have_s3tc() -> bool:
 def measure(name, fn, sd, url, pg, counter) -> dict:
     """One save + load of ``sd`` at ``url``.
 
-    ``peak_rss_over_state`` is the peak extra resident memory of the whole
-    save + load over the state-dict bytes; the load's destination state dict
-    accounts for 1.0 of it in every contender.
+    ``peak_rss_over_state`` is the peak growth of resident memory during the
+    save + load over the state-dict bytes, above what the process held when it
+    began: memory a kept contender holds from earlier rounds, or that was freed
+    but not returned to the OS, is reused and not counted again.
     """
     before = counter.count
     gc_collect()
