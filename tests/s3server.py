@@ -5,10 +5,13 @@ nothing of dcpstore is mocked.  ``FaultProxy`` sits between a client and moto wh
 network to misbehave: it answers chosen requests with S3 errors (503
 SlowDown, 500, 403), delays them, cuts the connection before or after the
 server acted on them (a lost response), or cuts a response body short.
+``ThrottleModel`` makes it answer like S3 under load: a request rate per
+partition of the key space, with 503 SlowDown for the excess.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import http.client
 import http.server
@@ -16,6 +19,7 @@ import re
 import socket
 import threading
 import time
+import urllib.parse
 
 from dcpstore.local_s3 import MotoServer, free_port  # noqa: F401 - re-exported for tests
 
@@ -44,6 +48,78 @@ class Rule:
         )
 
 
+@dataclasses.dataclass
+class _Partition:
+    low: str  # the first key of its range
+    tokens: float
+    refilled: float
+    hot_since: float | None = None  # when its current run of throttling began
+    last_throttle: float = 0.0
+    keys: list = dataclasses.field(default_factory=list)  # keys asked for while hot (split point)
+
+
+class ThrottleModel:
+    """S3's request-rate limit for tests: a token bucket of ``rate`` per second and ``burst`` per partition.
+
+    Partitions are ranges of ``bucket/key`` strings, as S3's are, not
+    '/'-prefixes: keys under different folders share one partition until
+    it splits.  With ``split_after``, a partition throttled without a pause
+    of a second for that many seconds splits at the median key asked for
+    meanwhile, and each half gets the full rate (S3 splits a hot partition
+    after sustained load).  Requests whose method is not in ``methods``
+    pass unlimited.  ``sent``, ``admitted`` and ``throttled`` count the rest.
+    """
+
+    def __init__(self, rate: float, burst: float, methods=("PUT", "POST", "DELETE"), split_after: float | None = None):
+        self.rate, self.burst, self.methods, self.split_after = rate, burst, frozenset(methods), split_after
+        now = time.monotonic()
+        self.partitions = [_Partition("", burst, now)]
+        self.sent = self.admitted = self.throttled = 0
+        self.first = self.last = None  # times of the first and last admitted request
+
+    def admit(self, method: str, path: str) -> bool:
+        """Whether a request is admitted now (called under the proxy's lock)."""
+        if method not in self.methods:
+            return True
+        key = urllib.parse.urlsplit(path).path.lstrip("/")
+        now = time.monotonic()
+        self.sent += 1
+        i = bisect.bisect_right([p.low for p in self.partitions], key) - 1
+        part = self.partitions[i]
+        part.tokens = min(self.burst, part.tokens + (now - part.refilled) * self.rate)
+        part.refilled = now
+        if part.tokens >= 1:
+            part.tokens -= 1
+            self.admitted += 1
+            self.first = self.first or now
+            self.last = now
+            if part.hot_since is not None and now - part.last_throttle > 1.0:
+                part.hot_since, part.keys = None, []
+            return True
+        self.throttled += 1
+        if part.hot_since is None or now - part.last_throttle > 1.0:
+            part.hot_since, part.keys = now, []
+        part.last_throttle = now
+        part.keys.append(key)
+        if self.split_after is not None and now - part.hot_since >= self.split_after:
+            self._split(i, now)
+        return False
+
+    def _split(self, i: int, now: float) -> None:
+        part = self.partitions[i]
+        keys = sorted(set(part.keys))
+        middle = keys[len(keys) // 2] if keys else ""
+        if middle <= part.low:
+            return  # one key alone: nothing to split
+        part.hot_since, part.keys = None, []
+        self.partitions.insert(i + 1, _Partition(middle, self.burst, now))
+
+    @property
+    def amplification(self) -> float:
+        """Requests sent per request admitted (1.0: not one throttled)."""
+        return self.sent / max(1, self.admitted)
+
+
 class FaultProxy:
     """An HTTP proxy to an S3 endpoint that injects faults by rule."""
 
@@ -52,6 +128,7 @@ class FaultProxy:
         self.rules: list[Rule] = []
         self.requests: list[tuple[str, str]] = []
         self.headers: list[tuple[str, str, dict[str, str]]] = []  # (method, path, request headers)
+        self.throttle: ThrottleModel | None = None  # S3's rate limit, applied to requests no rule faults
         self._lock = threading.Lock()
         proxy = self
 
@@ -86,6 +163,8 @@ class FaultProxy:
                 with proxy._lock:
                     proxy.headers.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
                 rule = self.rule = proxy._match(self.command, self.path)
+                if rule is None and not proxy._admit(self.command, self.path):
+                    rule = Rule(self.command, re.compile(""), status=503, code="SlowDown")
                 if rule is not None and rule.delay:
                     time.sleep(rule.delay)
                 if rule is not None and rule.reset:
@@ -101,7 +180,8 @@ class FaultProxy:
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(payload)))
                     self.end_headers()
-                    self.wfile.write(payload)
+                    if self.command != "HEAD":  # a HEAD answer has no body
+                        self.wfile.write(payload)
                     return
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
@@ -143,8 +223,13 @@ class FaultProxy:
             self.rules.append(rule)
         return rule
 
+    def _admit(self, method: str, path: str) -> bool:
+        with self._lock:
+            return self.throttle is None or self.throttle.admit(method, path)
+
     def clear(self) -> None:
         with self._lock:
+            self.throttle = None
             self.rules.clear()
             self.requests.clear()
             self.headers.clear()

@@ -2,7 +2,7 @@
 
 Each iteration draws a world size (2 or 4) and one fault: 503/500 on a shard
 part or PUT, a connection reset, a stall past the read timeout, a truncated
-GET while resuming, SIGKILL of a rank at staging / during the upload /
+GET while resuming, S3's rate limit (``ThrottleModel``) on every write, SIGKILL of a rank at staging / during the upload /
 around the ``.metadata`` PUT, or two jobs writing one root at once.  Some
 iterations then resume with a fresh job at the same or another world size.
 After each iteration the root is checked with plain boto3 and a fresh
@@ -18,7 +18,7 @@ reader:
 * no multipart upload is left open after a clean ``close()``.
 
 ``DCPSTORE_CHAOS_ITERATIONS`` (default 6, each fault kind once per round of
-11) and ``DCPSTORE_CHAOS_SEED`` set
+12) and ``DCPSTORE_CHAOS_SEED`` set
 the run; a summary line is printed (``pytest -s`` shows it).
 """
 
@@ -40,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 
 import dcpstore
 from chaos_worker import BIG, ROWS, full_state, rank_main
+from s3server import ThrottleModel
 
 ITERATIONS = int(os.environ.get("DCPSTORE_CHAOS_ITERATIONS", "6"))
 SEED = int(os.environ.get("DCPSTORE_CHAOS_SEED", "20261203"))
@@ -61,6 +62,7 @@ FAULTS = (
     "kill_commit_before_put",
     "kill_commit_after_put",
     "two_jobs",
+    "throttle",
 )
 
 
@@ -196,6 +198,8 @@ class _Iteration:
             on_request = self._killer(rule, "a", victim)
         elif self.fault == "two_jobs":
             jobs = [("a", self.world_size, self.spec(seed=1)), ("b", 2, self.spec(seed=2))]
+        elif self.fault == "throttle":  # S3's rate limit on the whole root, for every request of the run
+            self.proxy.throttle = ThrottleModel(rate=rng.choice((5, 10)), burst=5)
         t0 = time.monotonic()
         ran = _run_jobs(jobs, on_request)
         self.proxy.clear()

@@ -288,3 +288,40 @@ def checkpointer_keep_last(rank, world_size, root):
         listed.append(ckpt.committed_steps())
     ckpt.close()
     return listed
+
+
+def rank_tensors(rank: int, mib: int = 6) -> dict[str, torch.Tensor]:
+    """Two tensors of ``mib`` MiB that only this rank holds, seeded by its rank."""
+    g = torch.Generator().manual_seed(rank)
+    n = mib * (1 << 20) // 4
+    return {f"r{rank}_a": torch.randn(n, generator=g), f"r{rank}_b": torch.randn(n, generator=g)}
+
+
+def save_under_throttling(rank, world_size, url, proxy_endpoint, transfer):
+    """Plain ``dcp.save`` of this rank's tensors through a throttling proxy; the seconds it took."""
+    import time
+
+    t0 = time.monotonic()
+    writer = dcpstore.ObjectStoreWriter(
+        url, storage_options={"endpoint_url": proxy_endpoint}, transfer=transfer, objects_per_rank=2
+    )
+    try:
+        dcp.save(rank_tensors(rank), storage_writer=writer)
+    finally:
+        writer.close()
+    return time.monotonic() - t0
+
+
+def checkpointer_one_save(rank, world_size, root, proxy_endpoint, transfer, commit_window):
+    """Save step 1 through the proxy; ``None`` when committed, else the error's type and text."""
+    ckpt = dcpstore.AsyncCheckpointer(
+        root, storage_options={"endpoint_url": proxy_endpoint}, transfer=transfer, commit_window=commit_window
+    )
+    try:
+        ckpt.save(sharded_state_dict(world_size, 0), step=1)
+        ckpt.wait()
+        return None
+    except dcpstore.CheckpointSaveError as e:
+        return type(e).__name__, str(e)
+    finally:
+        ckpt.close()

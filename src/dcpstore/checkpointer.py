@@ -10,16 +10,20 @@ background thread per checkpointer, in the same order on every rank:
    planning);
 2. upload: the rank's shard objects, through the store's multipart path;
 3. commit: write results are gathered on the coordinator, which writes
-   ``.metadata`` as the last object (conditionally: see ``ObjectStoreWriter``)
-   only if every rank succeeded, then tells every rank the outcome.  A
-   failure anywhere leaves no ``.metadata``, and every rank raises
-   ``CheckpointSaveError`` from ``maybe_finalize``/``wait``.
+   ``.metadata`` as the last object (conditionally, see ``commit``) only if
+   every rank succeeded, then tells every rank the outcome storage shows.
+   A failure anywhere leaves no ``.metadata``, and every rank raises
+   ``CheckpointSaveError`` from ``maybe_finalize``/``wait``
+   (``CommitOutcomeUnknownError`` when storage could not be read back).
 
 One outcome on every rank: when a collective of the commit fails (a peer
 died or timed out), the coordinator may or may not have written
-``.metadata``, so each surviving rank asks storage instead: a ``.metadata``
-that references this rank's shards means committed (a warning says a peer
-died), anything else means ``CheckpointSaveError``.  Errors that happen
+``.metadata``, so each surviving rank asks storage instead: HEADs of
+``.metadata``, looking for the save's nonce (agreed by all ranks before
+the upload), until the coordinator's ``commit_window`` plus the time an
+unanswered PUT may take to land have passed; then storage's answer is
+final.  Committed means a warning that a peer died; anything else raises.
+Errors that happen
 before the first collective (staging, a storage check) travel through the
 same all-reduced failure flag as planning does, so peers raise within
 seconds and the group's collectives stay in step for the next save.
@@ -37,6 +41,7 @@ import concurrent.futures
 import dataclasses
 import datetime
 import logging
+import random
 import time
 import warnings
 from typing import Any, Callable
@@ -49,11 +54,13 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
+from .commit import Outcome, landing_margin, wait_and_settle
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
     CheckpointSaveError,
     CheckpointTimeoutError,
+    CommitOutcomeUnknownError,
     DcpstoreError,
 )
 from .layout import METADATA_KEY, committed_steps, delete_committed_step, step_prefix
@@ -172,6 +179,7 @@ class _SaveJob:
     staged: StagedItems | None
     stats: SaveStats
     error: BaseException | None = None  # staging failed: the job only tells the peers
+    nonce: str = ""  # agreed by every rank before the upload; .metadata carries it
 
 
 class AsyncCheckpointer:
@@ -194,12 +202,13 @@ class AsyncCheckpointer:
             that many are pending first waits for the oldest to commit (and
             raises if it failed).  Each in-flight save holds its own pool.
         collective_timeout: bound on every wait for a peer rank.
-        commit_window: after a peer failure breaks the commit's collectives,
-            how long a rank watches storage for the coordinator's ``.metadata``
-            before it reports the step failed.  It must exceed the time the
-            coordinator's ``.metadata`` PUT can take; one that takes longer
-            (retries against a throttled store) can still commit after a peer
-            gave up on it, and only then can ranks disagree.
+        commit_window: how long the coordinator's ``.metadata`` PUT may keep
+            trying (throttled, or failing) before the commit is settled by
+            reading storage back (see ``commit``).  It also bounds how long a
+            rank that lost the coordinator mid-commit waits before storage's
+            answer is final: ``commit_window`` plus ``landing_margin``
+            (connect + read timeout + 1 s).  It returns as soon as the
+            ``.metadata`` shows up.
         transfer, objects_per_rank: see ``ObjectStoreWriter``.
     """
 
@@ -214,7 +223,7 @@ class AsyncCheckpointer:
         planner_factory: Callable[[], SavePlanner] = DefaultSavePlanner,
         max_in_flight: int = 1,
         collective_timeout: datetime.timedelta = datetime.timedelta(minutes=10),
-        commit_window: float = 30.0,
+        commit_window: float = 60.0,
         transfer: TransferConfig | None = None,
         objects_per_rank: int = 4,
         pin_memory: bool | None = None,
@@ -239,7 +248,11 @@ class AsyncCheckpointer:
         self._coll = _Collectives(process_group)
         self.plan_cache = PlanCache()
         self._writer = ObjectStoreWriter(
-            self.root, storage_options=self.storage_options, transfer=self.transfer, objects_per_rank=objects_per_rank
+            self.root,
+            storage_options=self.storage_options,
+            transfer=self.transfer,
+            objects_per_rank=objects_per_rank,
+            commit_window=commit_window,
         )
         self._pools = [StagingPool(pin_memory) for _ in range(max_in_flight)]
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpstore-save")
@@ -374,7 +387,12 @@ class AsyncCheckpointer:
         job.stats.exists_check_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         cached = self.plan_cache.lookup(job.local_plan, self.world_size) if error is None else None
-        reuse, all_ok = self._coll.all_min([int(cached is not None), int(error is None)])
+        # The save's nonce rides along: the largest of the ranks' random draws.
+        reuse, all_ok, neg_nonce = self._coll.all_min(
+            [int(cached is not None), int(error is None), -random.getrandbits(62)]
+        )
+        job.nonce = f"{-neg_nonce:016x}"
+        writer.save_id = job.nonce  # what .metadata carries; a peer that loses the coordinator looks for it
         if not all_ok:
             self._raise_everywhere(job.url, error)
         if reuse:
@@ -435,68 +453,79 @@ class AsyncCheckpointer:
         return central_plan, metadata
 
     def _commit(self, job: _SaveJob, writer: ObjectStoreWriter, metadata, results, error) -> None:
-        outcome: dict[int, str] | None = None
+        """Gather the write results, commit on the coordinator, and give every rank the outcome storage shows.
+
+        The coordinator's verdict travels as ``None`` (committed) or
+        ``(Outcome, failures)``.  Shards are deleted only when no
+        ``.metadata`` can name them: each rank its own after a failed
+        commit, the coordinator all of them after a refused one (once, in
+        ``ObjectStoreWriter.commit``), nobody after an unknown one.
+        """
+        verdict: tuple[Outcome, dict[int, str]] | None = None
         gather_error = None
         try:
             gathered = self._coll.gather(_Failure(_describe(error)) if error is not None else results)
         except Exception as e:  # noqa: BLE001 - a peer died; the broadcast below still tells the rest
             gather_error = e
         if self._coll.is_coordinator:
-            if gather_error is not None:
-                outcome = {self.rank: f"collecting the ranks' write results failed: {_describe(gather_error)}"}
-            else:
-                outcome = {r: g.message for r, g in enumerate(gathered) if isinstance(g, _Failure)}
-                if not outcome:
-                    try:
-                        writer.finish(metadata, gathered)
-                    except Exception as e:  # noqa: BLE001
-                        outcome[self.rank] = f"writing .metadata failed: {_describe(e)}"
-                if not outcome and self.keep_last is not None:
-                    # Before the outcome goes out: once a save is done on any
-                    # rank, every rank's committed_steps() lists what is kept.
-                    self._prune()
-            outcome = outcome or None
+            verdict = self._decide(job, writer, metadata, gathered if gather_error is None else None, gather_error)
         try:
-            outcome = self._coll.broadcast(outcome)
-        except Exception as e:  # noqa: BLE001 - decided by storage below
-            if error is None and self._committed_in_storage(job, results):
-                logger.warning(
-                    "%s: step %d is committed, but a peer rank failed around the commit (%s)", job.url, job.step, e
-                )
-                outcome = None
-            else:
-                raise CheckpointSaveError(job.url, {self.rank: f"commit outcome unknown, and no .metadata references this rank's shards: {_describe(e)}"}) from e
-        if outcome:
-            if results:  # the coordinator decided not to commit: these shards are garbage
-                writer.delete_shards(results)
-            raise CheckpointSaveError(job.url, outcome) from error
+            verdict = self._coll.broadcast(verdict)
+        except Exception as e:  # noqa: BLE001 - storage decides, unless this rank decided
+            if not self._coll.is_coordinator:
+                verdict = self._settle_without_coordinator(job, writer, error, e)
+                results = None  # storage's answer is final, but such a rank deletes nothing: gc reclaims
+        if verdict is None:
+            return
+        outcome, failures = verdict
+        if outcome is Outcome.UNKNOWN:
+            raise CommitOutcomeUnknownError(job.url, failures) from error
+        if outcome is Outcome.FAILED and results:
+            writer.delete_shards(results)  # this rank's own: no .metadata names them
+        raise CheckpointSaveError(job.url, failures) from error
 
-    def _committed_in_storage(self, job: _SaveJob, results) -> bool:
-        """Whether step ``job.step`` is committed with this rank's shards in it.
+    def _decide(self, job: _SaveJob, writer: ObjectStoreWriter, metadata, gathered, gather_error):
+        """On the coordinator: commit if every rank succeeded; the verdict for ``_commit``."""
+        if gathered is None:
+            return Outcome.FAILED, {self.rank: f"collecting the ranks' write results failed: {_describe(gather_error)}"}
+        failures = {r: g.message for r, g in enumerate(gathered) if isinstance(g, _Failure)}
+        if failures:
+            return Outcome.FAILED, failures
+        try:
+            writer.finish(metadata, gathered)
+        except CommitOutcomeUnknownError as e:
+            return Outcome.UNKNOWN, e.failures
+        except CheckpointExistsError as e:
+            return Outcome.REFUSED, {self.rank: f"writing .metadata was refused: {_describe(e)}"}
+        except Exception as e:  # noqa: BLE001
+            return Outcome.FAILED, {self.rank: f"writing .metadata failed: {_describe(e)}"}
+        if self.keep_last is not None:
+            # Before the outcome goes out: once a save is done on any
+            # rank, every rank's committed_steps() lists what is kept.
+            self._prune()
+        return None
 
-        A peer's death can break this rank's collective while a live
-        coordinator's ``.metadata`` PUT is still on its way, so an absent
-        ``.metadata`` is only believed after ``commit_window`` seconds of
-        looking (it returns as soon as the object appears).
+    def _settle_without_coordinator(self, job: _SaveJob, writer: ObjectStoreWriter, error, broken: BaseException):
+        """The verdict of a rank that lost the coordinator's answer: what storage shows, once it is final.
+
+        The coordinator sends its last ``.metadata`` attempt within
+        ``commit_window`` of starting the commit, which it started before
+        this rank's collective broke, and an unanswered attempt lands within
+        ``landing_margin`` of being sent.  Storage's answer after both is
+        final; this rank returns sooner when the ``.metadata`` shows up.
+        A rank whose own upload failed knows the step cannot have committed.
         """
-        deadline = time.monotonic() + self.commit_window
-        reader = ObjectStoreReader(job.url, storage_options=self.storage_options, transfer=self.transfer)
-        try:
-            while True:
-                try:
-                    metadata = reader.read_metadata()
-                    break
-                except CheckpointNotFoundError:
-                    if time.monotonic() >= deadline:
-                        return False
-                    time.sleep(0.5)  # polling storage, the only party both sides still reach
-        finally:
-            reader.close()
-        stored = metadata.storage_data or {}
-        return all(
-            (info := stored.get(r.index)) is not None and info.relative_path == r.storage_data.relative_path
-            for r in results or []
-        )
+        why = f"the commit's collective broke ({_describe(broken)})"
+        if error is not None:
+            return Outcome.FAILED, {self.rank: f"{_describe(error)}; {why}"}
+        until = time.monotonic() + self.commit_window + landing_margin(writer.store)
+        outcome = wait_and_settle(writer.store, job.nonce, until)
+        if outcome is Outcome.COMMITTED:
+            logger.warning("%s: step %d is committed, but a peer rank failed around the commit (%s)", job.url, job.step, broken)
+            return None
+        if outcome is Outcome.UNKNOWN:
+            return outcome, {self.rank: f"{why}, and storage could not be read back"}
+        return outcome, {self.rank: f"{why}, and storage shows no .metadata of this save ({outcome.value})"}
 
     def _raise_everywhere(self, url: str, error: BaseException | None) -> None:
         messages = self._coll.all_gather(_describe(error) if error is not None else None)

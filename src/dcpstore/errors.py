@@ -60,6 +60,10 @@ class TransientStorageError(DcpstoreError, OSError):
     """A request kept failing with retryable errors until the retry budget ran out."""
 
 
+class ThrottledError(TransientStorageError):
+    """A request stayed throttled (503 SlowDown, 429) for its whole ``RetryPolicy.throttle_budget``."""
+
+
 class UnpicklableValueError(DcpstoreError, TypeError):
     """A non-tensor value of the state dict cannot be pickled; the message names its key."""
 
@@ -74,11 +78,24 @@ class CheckpointSaveError(DcpstoreError, RuntimeError):
     ``failures`` maps rank to a one-line description of what failed there.
     """
 
+    verdict = "was not committed"
+
     def __init__(self, url: str, failures: dict[int, str]):
         self.url = url
         self.failures = dict(failures)
         detail = "; ".join(f"rank {r}: {msg}" for r, msg in sorted(self.failures.items()))
-        super().__init__(f"checkpoint {url} was not committed: {detail}")
+        super().__init__(f"checkpoint {url} {self.verdict}: {detail}")
+
+
+class CommitOutcomeUnknownError(CheckpointSaveError):
+    """Whether the step committed is unknown: its ``.metadata`` PUT may have landed, and storage could not be read in time.
+
+    The step's shards are kept (a ``.metadata`` that names them may exist);
+    ``dcpstore verify`` tells later, and ``dcpstore gc`` reclaims the shards
+    if it did not commit.
+    """
+
+    verdict = "may or may not be committed (its shards are kept; `dcpstore verify` tells)"
 
 
 class CheckpointTimeoutError(DcpstoreError, TimeoutError):

@@ -55,6 +55,7 @@ from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
@@ -70,7 +71,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import planner_data
-from .errors import CheckpointExistsError, ConditionalWriteError, DcpstoreError, ObjectNotFoundError
+from .commit import Outcome, write_metadata
+from .errors import CheckpointExistsError, CommitOutcomeUnknownError, DcpstoreError, ObjectNotFoundError
 from .layout import METADATA_KEY
 from .reader import parse_metadata
 from .staging import resolve_item
@@ -237,6 +239,9 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
             failed overwrite loses nothing.
         objects_per_rank: shard objects per rank, uploaded concurrently.
         transfer: part size, concurrency, timeouts and retries.
+        commit_window: seconds the ``.metadata`` PUT may keep trying
+            (throttled, or failing) before the commit is settled by reading
+            storage back (see ``commit``).
         checksums: record a crc32 per item, checked on load.
         _extensions: torch's stream extensions applied to every item, as
             ``FileSystemWriter(_extensions=...)`` takes them (EXPERIMENTAL
@@ -252,6 +257,7 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         objects_per_rank: int = 4,
         transfer: TransferConfig | None = None,
         checksums: bool = True,
+        commit_window: float = 60.0,
         _extensions: Sequence[StreamTransformExtension] | None = None,
     ):
         super().__init__()
@@ -263,6 +269,7 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         self.overwrite = overwrite
         self.objects_per_rank = objects_per_rank
         self.checksums = checksums
+        self.commit_window = commit_window
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._store: ObjectStore | None = None
         self.reset(url)
@@ -375,6 +382,7 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         # prefix; only the rank part of it is used.
         prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{self.rank}_"
         generation = uuid.uuid4().hex[:16]
+        self.store.share_write_rate(dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
         buckets = [b for b in _split_by_size_and_type(self.objects_per_rank, list(plan.items)) if b]
         names = [f"{prefix}{generation}_{n}{DEFAULT_SUFFIX}" for n in range(len(buckets))]
 
@@ -461,30 +469,41 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
     def commit(self, raw_metadata: bytes, storage_data: dict) -> None:
         """Write ``.metadata``: the one conditional PUT that makes the checkpoint exist.
 
-        Refused (``CheckpointExistsError``) when another writer committed
-        first; the shards of this save are then deleted, since nothing
-        references them.  After an overwrite, the replaced checkpoint's
-        shards are deleted.
+        Its outcome is what storage shows (see ``commit``): an error after
+        the PUT may have taken effect is settled by reading back.  Refused
+        (``CheckpointExistsError``) when another writer committed first;
+        the shards of this save are then deleted, since nothing references
+        them.  ``CommitOutcomeUnknownError`` when storage could not be read
+        back: the shards are kept.  After an overwrite, the replaced
+        checkpoint's shards are deleted.
         """
         new_paths = {info.relative_path for info in storage_data.values()}
         if self.overwrite and self._replaced is None:
             self._replaced = self._read_replaced()  # planning ran elsewhere (e.g. a cached plan)
         replaced = self._replaced
-        try:
+        outcome, error = write_metadata(
+            self.store, raw_metadata, self.save_id,
+            replaced_etag=replaced.etag if replaced is not None else None, window=self.commit_window,
+        )
+        if outcome is Outcome.COMMITTED:
+            if error is not None:
+                logger.warning("%s: committed (read back after the PUT failed: %s)", self.store.url_for(METADATA_KEY), error)
             if replaced is not None:
-                self.store.put(METADATA_KEY, raw_metadata, if_match=replaced.etag)
-            else:
-                self.store.put(METADATA_KEY, raw_metadata, if_none_match=True)
-        except ConditionalWriteError as e:
+                self._delete_quietly(replaced.paths - new_paths, "shards of the replaced checkpoint")
+            return
+        if outcome is Outcome.REFUSED:
             self._delete_quietly(new_paths, "shards of the refused commit")
             if replaced is None:
-                raise self._exists_error() from e
+                raise self._exists_error() from error
             raise CheckpointExistsError(
                 f"{self.store.url_for(METADATA_KEY)}: Checkpoint already exists and changed since this save "
-                f"read it (another job committed in between); this save was not committed ({e})"
-            ) from e
-        if replaced is not None:
-            self._delete_quietly(replaced.paths - new_paths, "shards of the replaced checkpoint")
+                f"read it (another job committed in between); this save was not committed ({error})"
+            ) from error
+        if outcome is Outcome.UNKNOWN:
+            raise CommitOutcomeUnknownError(
+                self.url, {self.rank: f"writing .metadata failed ({error}) and storage could not be read back"}
+            ) from error
+        raise error  # FAILED: no .metadata of this save exists or can appear
 
     def delete_shards(self, results: list[WriteResult]) -> None:
         """Delete the shard objects of a save that was not committed (best effort)."""

@@ -7,7 +7,8 @@ Layers, top down:
 - ``base``: the object-store vocabulary (``ObjectStore``: put, ranged get,
   exists, list, delete, multipart aborts; ``ObjectWriter``) over any fsspec
   filesystem; ``local``: ``file://`` with durable, atomic objects;
-- ``s3``: the S3 request transport, one retry loop under ``RetryPolicy``;
+- ``s3``: the S3 request transport, one retry loop under ``RetryPolicy``,
+  paced by ``throttle``'s request rates;
   ``multipart``: streaming ``torch.save`` output into pooled parts;
 - ``connection``: what stores share (filesystem, thread pool, part buffers)
   and the leases that free it when the last store closes;
@@ -15,7 +16,7 @@ Layers, top down:
   ``config``: ``TransferConfig`` and ``RetryPolicy``.
 """
 
-from .base import MultipartUploadInfo, ObjectInfo, ObjectStore, ObjectWriter
+from .base import MultipartUploadInfo, ObjectHead, ObjectInfo, ObjectStore, ObjectWriter, Tries
 from .config import RetryPolicy, TransferConfig
 from .local import LocalObjectStore
 from .registry import StoreOwner, is_store_url, normalize_url, open_store
@@ -25,12 +26,14 @@ from .translate import is_retryable, translate_error
 __all__ = [
     "LocalObjectStore",
     "MultipartUploadInfo",
+    "ObjectHead",
     "ObjectInfo",
     "ObjectStore",
     "ObjectWriter",
     "RetryPolicy",
     "S3ObjectStore",
     "TransferConfig",
+    "Tries",
     "is_retryable",
     "is_store_url",
     "normalize_url",

@@ -39,6 +39,27 @@ class ObjectInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class ObjectHead:
+    """What a HEAD tells of an object."""
+
+    size: int
+    etag: str | None = None  # None where the store has no ETags
+    metadata: dict[str, str] = dataclasses.field(default_factory=dict)  # user metadata (x-amz-meta-*)
+
+
+class Tries:
+    """What the attempts of one request came to: how many were sent, how many got no answer.
+
+    An attempt without an answer (a reset, a timeout) may still have taken
+    effect, or may yet: a caller that must know the outcome reads it back.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.unanswered = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class MultipartUploadInfo:
     key: str
     upload_id: str
@@ -99,6 +120,9 @@ class ObjectStore:
         """Release this store's lease; the connection's pools go with the last one.  Idempotent."""
         self._lease()
 
+    def share_write_rate(self, writers: int) -> None:
+        """This process is one of ``writers`` writing at once (paces S3 requests; nothing here)."""
+
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if not self._lease.alive:
             raise RuntimeError(f"{self.url}: the store is closed")
@@ -106,7 +130,17 @@ class ObjectStore:
 
     # -- futures API (the primitives) --------------------------------------------
 
-    def put_async(self, key: str, data, *, if_none_match: bool = False, if_match: str | None = None) -> concurrent.futures.Future:
+    def put_async(
+        self,
+        key: str,
+        data,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+        metadata: dict[str, str] | None = None,
+        deadline: float | None = None,
+        tries: Tries | None = None,
+    ) -> concurrent.futures.Future:
         """Write ``data`` (any bytes-like object) as ``key``.
 
         ``if_none_match``: only if ``key`` does not exist; ``if_match``: only
@@ -114,6 +148,12 @@ class ObjectStore:
         ``ConditionalWriteError``, and nothing is written.  On S3, a refused
         condition where the object already holds exactly ``data`` counts as
         success: it is this write's own earlier attempt, whose response was lost.
+
+        For object stores: ``metadata`` is stored as the object's user
+        metadata (``head``), no attempt starts after ``deadline`` (a
+        ``time.monotonic()`` value), and ``tries`` records the attempts.
+        A filesystem writes at once and answers every time, so these are
+        not needed there.
         """
         return self._executor().submit(
             self._retrying, "PUT", key, lambda: self._put_blocking(key, data, if_none_match, if_match)
@@ -141,8 +181,9 @@ class ObjectStore:
 
     # -- blocking API ---------------------------------------------------------
 
-    def put(self, key: str, data, *, if_none_match: bool = False, if_match: str | None = None) -> None:
-        self.put_async(key, data, if_none_match=if_none_match, if_match=if_match).result()
+    def put(self, key: str, data, **options) -> None:
+        """``put_async(key, data, **options)``, waited for."""
+        self.put_async(key, data, **options).result()
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self.get_range_async(key, start, end).result()
@@ -161,6 +202,10 @@ class ObjectStore:
 
     def exists(self, key: str) -> bool:
         return self._retrying("HEAD", key, lambda: self.fs.exists(self._path(key)))
+
+    def head(self, key: str) -> ObjectHead:
+        """The object's size, ETag and user metadata; ``ObjectNotFoundError`` if there is none."""
+        return ObjectHead(self.size(key))
 
     def size(self, key: str) -> int:
         def op():

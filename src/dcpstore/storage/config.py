@@ -10,21 +10,31 @@ MiB = 1 << 20
 
 @dataclasses.dataclass(frozen=True)
 class RetryPolicy:
-    """Bounded retries with full-jitter exponential backoff.
+    """Bounded retries with full-jitter exponential backoff; throttling bounded by time.
 
     Attempt ``n`` (0-based) that fails with a retryable error sleeps
     ``uniform(0, min(max_backoff, initial_backoff * 2**n))`` before the next,
-    the scheme AWS recommends so that many ranks throttled at once do not
-    retry in lockstep.
+    the scheme AWS recommends so that many ranks failing at once do not
+    retry in lockstep; ``max_attempts`` bounds these.
+
+    Throttling (503 SlowDown, 429) is different: S3 throttles a key range
+    for as long as the load on it lasts, so a throttled request is not a
+    failed one.  It slows the key range's request rate (``throttle``) and
+    keeps trying for up to ``throttle_budget`` seconds from its first
+    throttled answer; only then does it raise ``ThrottledError``, naming
+    the object and how long it was throttled.
     """
 
     max_attempts: int = 5
     initial_backoff: float = 0.1
     max_backoff: float = 5.0
+    throttle_budget: float = 300.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.throttle_budget < 0:
+            raise ValueError(f"throttle_budget must be >= 0, got {self.throttle_budget}")
 
     def backoff(self, attempt: int) -> float:
         return random.uniform(0, min(self.max_backoff, self.initial_backoff * 2**attempt))
@@ -51,6 +61,11 @@ class TransferConfig:
     # a server that stops reading the body (found on a full Ceph OSD).
     min_send_rate: float = 1 * MiB
     retry: RetryPolicy = RetryPolicy()
+    # Writes/s that one fresh S3 key range admits (S3: about 3,500).  A
+    # writer that knows the job's world size W starts each rank at
+    # prefix_write_rate / W, then adapts (see ``throttle``); None: no
+    # job-wide start, only adaptation.
+    prefix_write_rate: float | None = 3500.0
 
     def __post_init__(self) -> None:
         if self.part_size < 5 * MiB:
@@ -59,3 +74,5 @@ class TransferConfig:
             raise ValueError("max_concurrency must be >= 1")
         if self.min_send_rate <= 0:
             raise ValueError("min_send_rate must be > 0")
+        if self.prefix_write_rate is not None and self.prefix_write_rate <= 0:
+            raise ValueError("prefix_write_rate must be > 0 or None")

@@ -17,7 +17,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from ..errors import ObjectNotFoundError
-from .base import ObjectWriter
+from .base import ObjectWriter, Tries
 
 if TYPE_CHECKING:
     from .s3 import S3ObjectStore
@@ -70,12 +70,6 @@ def _unmap(buf: mmap.mmap) -> None:
         buf.close()
     except BufferError:  # a view of it is still alive; unmapped when that goes
         pass
-
-
-class Tries:
-    """How many attempts ``S3ObjectStore._call`` sent for one request."""
-
-    count = 0
 
 
 class MultipartObjectWriter(ObjectWriter):

@@ -19,17 +19,37 @@ import concurrent.futures
 import itertools
 import logging
 import threading
+import time
 from typing import Any, Iterable
 
 from ..errors import ConditionalWriteError, ObjectNotFoundError, UnsupportedByStoreError
-from .base import MultipartUploadInfo, ObjectInfo, ObjectStore, ObjectWriter, refuse_unless_condition_holds, url_to_fs
+from .base import (
+    MultipartUploadInfo,
+    ObjectHead,
+    ObjectInfo,
+    ObjectStore,
+    ObjectWriter,
+    Tries,
+    refuse_unless_condition_holds,
+    url_to_fs,
+)
 from .body import BufferSink, ViewBody
 from .config import TransferConfig
-from .multipart import MultipartObjectWriter, Tries
+from .multipart import MultipartObjectWriter
+from .throttle import RATES, RequestRate, key_range
+from .translate import gave_up, is_throttle, throttled_out
 
 logger = logging.getLogger(__name__)
 
 S3_SCHEMES = ("s3", "s3a")
+
+# Requests S3 counts against a key range's write rate; the rest are reads.
+_WRITES = frozenset(
+    {
+        "put_object", "upload_part", "create_multipart_upload", "complete_multipart_upload",
+        "abort_multipart_upload", "delete_objects",
+    }
+)
 
 
 def client_config(transfer: TransferConfig) -> dict[str, Any]:
@@ -116,6 +136,7 @@ class S3ObjectStore(ObjectStore):
         read_body: bool = False,
         into: tuple[Any, int, int] | None = None,
         tries: Tries | None = None,
+        deadline: float | None = None,
         **kwargs,
     ) -> Any:
         """One S3 request under the retry policy: the only retry loop a request goes through.
@@ -127,12 +148,21 @@ class S3ObjectStore(ObjectStore):
         connection cut mid-body is retried like any other transient error;
         with ``into``, a ``(sink, offset, limit)``, the body lands in the sink
         (see ``_read_into``) and ``resp["Body"]`` is the number of bytes it held.
-        ``tries`` records how many attempts were sent, which tells a caller
-        whether an earlier attempt may have taken effect unseen.
+        ``tries`` records how many attempts were sent and how many got no
+        answer, which tells a caller whether one may have taken effect
+        unseen.  No attempt starts after ``deadline`` (``time.monotonic()``).
+
+        Every attempt first waits for a send slot of its key range's rate
+        (``throttle``).  A throttled answer lowers that rate and is retried
+        for up to ``RetryPolicy.throttle_budget`` seconds, not counted
+        against ``max_attempts``, which bounds every other retryable error.
         """
+        rate = self._rate(key, method)
+        throttled_since, failures = None, 0
         for attempt in itertools.count():
             if tries is not None:
                 tries.count = attempt + 1
+            sent_at = await rate.acquire()
             try:
                 client = await self._s3()
                 if body is not None:
@@ -143,9 +173,35 @@ class S3ObjectStore(ObjectStore):
                 if read_body:
                     async with resp["Body"] as stream:
                         resp["Body"] = await (stream.read() if into is None else _read_into(stream, *into))
+                rate.succeeded()
                 return resp
-            except Exception as e:  # noqa: BLE001 - classified by _retry_delay
-                await asyncio.sleep(self._retry_delay(op, key, attempt, e))
+            except Exception as e:  # noqa: BLE001 - classified below and by _retry_delay
+                if tries is not None and not isinstance(getattr(e, "response", None), dict):
+                    tries.unanswered += 1
+                now = time.monotonic()
+                if is_throttle(e):
+                    # Paced by the key range's lowered rate, not by a backoff of its own.
+                    rate.throttled(sent_at)
+                    throttled_since = sent_at if throttled_since is None else throttled_since
+                    if now - throttled_since >= self.transfer.retry.throttle_budget or (deadline and now >= deadline):
+                        raise throttled_out(op, self.url_for(key), now - throttled_since, attempt + 1, e) from e
+                    continue
+                delay = self._retry_delay(op, key, failures, e)
+                if deadline is not None and now + delay >= deadline:
+                    raise gave_up(op, self.url_for(key), attempt + 1, e) from e
+                await asyncio.sleep(delay)
+                failures += 1
+
+    def _rate(self, key: str, method: str) -> RequestRate:
+        """The request rate ``method`` on ``key`` is paced by (see ``throttle``)."""
+        bucket, path = self._split(key)
+        return RATES.rate((id(self.fs), bucket), key_range(path), "write" if method in _WRITES else "read")
+
+    def share_write_rate(self, writers: int) -> None:
+        """This process is one of ``writers`` writing at once: start at its share of a key range's rate."""
+        if self.transfer.prefix_write_rate is not None:
+            bucket = self._split("")[0]
+            RATES.share((id(self.fs), bucket), "write", self.transfer.prefix_write_rate / max(1, writers))
 
     def _send_deadline(self, body) -> float:
         """Seconds a request that sends ``body`` may take in all (see ``TransferConfig.min_send_rate``)."""
@@ -157,10 +213,23 @@ class S3ObjectStore(ObjectStore):
 
     # -- primitives -------------------------------------------------------------
 
-    def put_async(self, key: str, data, *, if_none_match: bool = False, if_match: str | None = None) -> concurrent.futures.Future:
-        return self._submit(self._put(key, data, if_none_match, if_match))
+    def put_async(
+        self,
+        key: str,
+        data,
+        *,
+        if_none_match: bool = False,
+        if_match: str | None = None,
+        metadata: dict[str, str] | None = None,
+        deadline: float | None = None,
+        tries: Tries | None = None,
+    ) -> concurrent.futures.Future:
+        request = {"deadline": deadline, "tries": tries}
+        if metadata:
+            request["Metadata"] = dict(metadata)
+        return self._submit(self._put(key, data, if_none_match, if_match, request))
 
-    async def _put(self, key: str, data, if_none_match: bool, if_match: str | None) -> None:
+    async def _put(self, key: str, data, if_none_match: bool, if_match: str | None, request: dict) -> None:
         bucket, path = self._split(key)
         conditions = {}
         if if_none_match:
@@ -168,7 +237,7 @@ class S3ObjectStore(ObjectStore):
         if if_match:
             conditions["IfMatch"] = if_match
         try:
-            await self._call("PUT", key, "put_object", body=data, Bucket=bucket, Key=path, **conditions)
+            await self._call("PUT", key, "put_object", body=data, Bucket=bucket, Key=path, **conditions, **request)
         except ConditionalWriteError:
             # After a lost response, our own earlier attempt may be what the
             # condition now sees (resent by us, or by aiohttp, which resends
@@ -181,7 +250,9 @@ class S3ObjectStore(ObjectStore):
                 # server's: Ceph RGW matches If-Match only against the bare
                 # hex of the quoted ETag its own GET returns.  Once more,
                 # bare; a change since the HEAD still fails the condition.
-                await self._call("PUT", key, "put_object", body=data, Bucket=bucket, Key=path, IfMatch=if_match.strip('"'))
+                await self._call(
+                    "PUT", key, "put_object", body=data, Bucket=bucket, Key=path, IfMatch=if_match.strip('"'), **request
+                )
                 return
             raise
         except UnsupportedByStoreError:
@@ -193,7 +264,7 @@ class S3ObjectStore(ObjectStore):
                 self.url_for(key),
             )
             await self._check_condition_async(key, if_none_match, if_match)
-            await self._call("PUT", key, "put_object", body=data, Bucket=bucket, Key=path)
+            await self._call("PUT", key, "put_object", body=data, Bucket=bucket, Key=path, **request)
 
     async def _holds(self, key: str, data) -> bool:
         try:
@@ -272,9 +343,12 @@ class S3ObjectStore(ObjectStore):
             return False
 
     def size(self, key: str) -> int:
+        return self.head(key).size
+
+    def head(self, key: str) -> ObjectHead:
         bucket, path = self._split(key)
         resp = self._run(self._call("HEAD", key, "head_object", Bucket=bucket, Key=path))
-        return int(resp["ContentLength"])
+        return ObjectHead(int(resp["ContentLength"]), resp.get("ETag"), dict(resp.get("Metadata") or {}))
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         return self._run(self._list(prefix))

@@ -20,6 +20,7 @@ from ..errors import (
     DcpstoreError,
     ObjectNotFoundError,
     StorageAccessError,
+    ThrottledError,
     TransientStorageError,
     UnsupportedByStoreError,
 )
@@ -58,6 +59,23 @@ def _error_code(exc: BaseException) -> tuple[str | None, int | None, str]:
     error = response.get("Error", {}) or {}
     status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
     return error.get("Code"), status, error.get("Message") or str(exc)
+
+
+_THROTTLE_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequests", "ServiceUnavailable"}
+)
+
+
+def is_throttle(exc: BaseException) -> bool:
+    """Whether the store asked to slow down: SlowDown and its kin, HTTP 429 or 503.
+
+    These are answered by a lower request rate (``throttle``) and retried
+    for as long as ``RetryPolicy.throttle_budget`` allows, not counted
+    against ``max_attempts``: S3 throttles a hot key range for as long as
+    the load on it lasts.
+    """
+    code, status, _ = _error_code(exc)
+    return code in _THROTTLE_CODES or status in (429, 503)
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -119,8 +137,20 @@ def translate_error(exc: BaseException, url: str) -> BaseException:
     return exc
 
 
+def _cause(exc: BaseException) -> str:
+    code, status, message = _error_code(exc)
+    return f"{code} (HTTP {status}): {message}" if code else f"{type(exc).__name__}: {exc}"
+
+
 def gave_up(op: str, url: str, attempts: int, exc: BaseException) -> TransientStorageError:
     """The error of a request whose every attempt failed with a retryable error."""
-    code, status, message = _error_code(exc)
-    cause = f"{code} (HTTP {status}): {message}" if code else f"{type(exc).__name__}: {exc}"
-    return TransientStorageError(f"{op} {url} failed after {attempts} attempt(s): {cause}")
+    return TransientStorageError(f"{op} {url} failed after {attempts} attempt(s): {_cause(exc)}")
+
+
+def throttled_out(op: str, url: str, seconds: float, attempts: int, exc: BaseException) -> ThrottledError:
+    """The error of a request that stayed throttled for its whole ``throttle_budget``."""
+    return ThrottledError(
+        f"{op} {url} was throttled for {seconds:.0f}s ({attempts} attempt(s)) and gave up: {_cause(exc)}; "
+        "the store admits fewer requests to this key range than the job sends "
+        "(see ObjectStoreWriter(key_spread=...) and RetryPolicy.throttle_budget)"
+    )

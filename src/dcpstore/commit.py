@@ -1,0 +1,134 @@
+"""The commit: one conditional write of ``.metadata``, and the outcome storage shows.
+
+A checkpoint exists exactly when its ``.metadata`` does, so the commit is
+the one request whose outcome every rank must know truly.  An answer can be
+lost after the request took effect (a reset, a timeout, a proxy), and the
+retries that follow can be throttled until they give up: an error from the
+PUT therefore does not mean "not committed".  ``write_metadata`` settles
+every error by reading storage back, and reports one of four outcomes:
+
+- ``COMMITTED``: this save's ``.metadata`` is in storage;
+- ``REFUSED``: another writer's ``.metadata`` is there (another job, a
+  zombie), and the condition keeps this save's from ever landing;
+- ``FAILED``: no ``.metadata`` of this save exists, and none can appear:
+  every attempt was answered, or the ones that were not have had time to
+  land;
+- ``UNKNOWN``: storage could not be read in time.  The caller must keep the
+  shards: a ``.metadata`` that names them may exist, and ``dcpstore verify``
+  or ``gc`` settle the step later.
+
+Which ``.metadata`` is this save's: the PUT carries the save's nonce as
+user metadata (``x-amz-meta-dcpstore-save``), so one HEAD tells, without
+reading or parsing the object; it equals ``StorageMeta.save_id`` inside it,
+which is what a store without user metadata is checked by.
+
+``settle`` is also how a rank that lost its coordinator learns the outcome:
+after the coordinator's deadline (``commit_window``) plus the time an
+unanswered attempt may take to land (``landing_margin``), storage's answer
+is final.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+import time
+
+from .errors import ConditionalWriteError, DcpstoreError, ObjectNotFoundError
+from .layout import METADATA_KEY
+from .reader import parse_metadata
+from .storage import ObjectStore, Tries
+
+NONCE_KEY = "dcpstore-save"  # user metadata of .metadata: the nonce of the save that wrote it
+
+
+class Outcome(enum.Enum):
+    COMMITTED = "committed"
+    REFUSED = "refused"
+    FAILED = "failed"
+    UNKNOWN = "unknown"
+
+
+def landing_margin(store: ObjectStore) -> float:
+    """Seconds after its last attempt within which an unanswered ``.metadata`` PUT could still land.
+
+    An attempt is given up after connect + read timeouts (``.metadata`` is
+    small, so its send time is negligible); a second more for clocks and
+    the server's own work.
+    """
+    t = store.transfer
+    return t.connect_timeout + t.read_timeout + 1.0
+
+
+def write_metadata(
+    store: ObjectStore, raw: bytes, nonce: str, *, replaced_etag: str | None, window: float
+) -> tuple[Outcome, BaseException | None]:
+    """Write ``.metadata`` conditionally, trying for at most ``window`` seconds; the outcome and the error, if any.
+
+    ``replaced_etag``: the ETag of the committed ``.metadata`` an overwrite
+    replaces (``If-Match``), or ``None`` for a new checkpoint
+    (``If-None-Match: *``).
+    """
+    tries = Tries()
+    try:
+        store.put(
+            METADATA_KEY,
+            raw,
+            if_none_match=replaced_etag is None,
+            if_match=replaced_etag,
+            metadata={NONCE_KEY: nonce},
+            deadline=time.monotonic() + window,
+            tries=tries,
+        )
+        return Outcome.COMMITTED, None
+    except ConditionalWriteError as e:
+        return Outcome.REFUSED, e  # the store already told its own lost answer from another writer's object
+    except Exception as e:  # noqa: BLE001 - it may have taken effect: storage decides
+        if tries.unanswered:
+            time.sleep(landing_margin(store))  # an attempt nobody answered may still land
+        return settle(store, nonce, replaced_etag), e
+
+
+def settle(store: ObjectStore, nonce: str, replaced_etag: str | None = None) -> Outcome:
+    """What storage shows of the save with ``nonce``, once no attempt of it can still land."""
+    try:
+        head = store.head(METADATA_KEY)
+    except ObjectNotFoundError:
+        return Outcome.FAILED
+    except Exception:  # noqa: BLE001 - storage could not be read: nobody can know yet
+        return Outcome.UNKNOWN
+    stored, etag = head.metadata.get(NONCE_KEY), head.etag
+    if stored is None:  # a store without user metadata, or a .metadata another tool wrote
+        try:
+            raw, etag = store.get_with_etag(METADATA_KEY)
+            meta = parse_metadata(raw, store.url_for(METADATA_KEY))
+            stored = getattr(meta.storage_meta, "save_id", None)
+        except ObjectNotFoundError:
+            return Outcome.FAILED
+        except DcpstoreError:
+            stored = None  # not a .metadata this save could have written
+        except Exception:  # noqa: BLE001
+            return Outcome.UNKNOWN
+    if stored == nonce:
+        return Outcome.COMMITTED
+    if replaced_etag is not None and etag is not None and etag.strip('"') == replaced_etag.strip('"'):
+        return Outcome.FAILED  # still the checkpoint this save would have replaced
+    return Outcome.REFUSED
+
+
+def wait_and_settle(store: ObjectStore, nonce: str, until: float) -> Outcome:
+    """Watch storage until ``until`` (``time.monotonic()``) for this save's ``.metadata``, then settle.
+
+    For a rank whose coordinator can no longer tell it the outcome.  Reads
+    are HEADs, spaced by jittered backoff (0.5 s doubling to 8 s), so that
+    thousands of ranks settling at once, the moment a peer died, do not
+    stampede one key; it returns as soon as this save's ``.metadata`` shows.
+    """
+    delay = 0.5
+    while True:
+        outcome = settle(store, nonce)
+        now = time.monotonic()
+        if outcome is Outcome.COMMITTED or now >= until:
+            return outcome
+        time.sleep(min(random.uniform(delay / 2, delay), until - now))
+        delay = min(8.0, delay * 2)

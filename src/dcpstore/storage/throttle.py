@@ -1,0 +1,142 @@
+"""Client-side request rates: S3 throttling is a signal to slow down, not a failure.
+
+S3 admits about 3,500 writes/s and 5,500 reads/s per partition of a
+bucket's key space, answers the excess with 503 SlowDown, and splits a
+partition only after its load has lasted a while.  A save of thousands of
+ranks into a fresh prefix is therefore throttled for as long as it lasts,
+and a client that merely retries each request (with backoff) sends most of
+its requests twice or more and still gives up.
+
+So every S3 request first takes a send slot from the ``RequestRate`` of its
+key range: reads and writes apart, shared by every store and thread of the
+process.  The rate follows AIMD, as TCP's congestion window does: a
+throttled answer cuts it by ``BETA`` (once per round of requests: answers
+to requests sent before the cut do not cut again), every success raises it
+a little.  botocore's adaptive retry mode does the same per client with a
+cubic curve, but it paces a whole client (every bucket and key range
+alike) and only inside botocore's retry handler, which dcpstore turns off
+to keep one retry policy (see ``s3.client_config``).
+
+A key range here is a key's parent "folder" in its bucket: the objects of
+one checkpoint share one, and ``ObjectStoreWriter(key_spread=...)`` gives
+each hashed sub-prefix its own, so a cut for one hot partition does not slow
+the others.  S3's partitions are ranges of keys, not folders, but a client
+cannot see where they split; a folder is the finest unit whose objects S3 is
+likely to serve from one partition.  A range first used after another one
+of its bucket was throttled starts at the rate learned there: a new step of
+a job does not learn the throttling again.  What is learned expires after
+``TTL`` seconds unused.
+
+A job-wide start (``RateBook.share``): per-process adaptation alone lets W
+ranks send ``W x max_concurrency`` requests in the first second (about
+65,000 at 4,096 ranks) into a partition that admits 3,500.  A writer that
+knows the job's world size starts each rank at its share of what one key
+range admits (``TransferConfig.prefix_write_rate / W``), then adapts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import threading
+import time
+
+TTL = 600.0  # seconds a key range's learned rate is kept unused
+
+
+class RequestRate:
+    """The pace of one key range's reads or writes in this process (AIMD)."""
+
+    BETA = 0.7  # a throttled answer multiplies the rate by this
+    GROWTH = 0.05  # per second of successes, the rate grows by this fraction of itself ...
+    BASE_GROWTH = 0.1  # ... plus this fraction of the rate it started from
+    FLOOR = 0.2  # requests/s a cut never goes below (unless the range started lower)
+
+    def __init__(self, rate: float | None):
+        self._lock = threading.Lock()
+        self.rate = rate  # requests/s; None: not paced (not throttled yet, no job-wide start)
+        self._base = rate
+        self._next_slot = 0.0
+        self._last_cut = -math.inf
+        self._recent: collections.deque[float] = collections.deque(maxlen=8192)  # send times while unpaced
+        self.last_used = time.monotonic()
+
+    async def acquire(self) -> float:
+        """Wait for this range's next send slot; returns the send time (for ``throttled``)."""
+        with self._lock:
+            now = time.monotonic()
+            self.last_used = now
+            if self.rate is None:
+                self._recent.append(now)
+                return now
+            slot = max(now, self._next_slot)
+            self._next_slot = slot + 1.0 / self.rate
+        if slot > now:
+            await asyncio.sleep(slot - now)
+        return slot
+
+    def succeeded(self) -> None:
+        with self._lock:
+            if self.rate is not None:
+                self.rate += (self.BASE_GROWTH * self._base + self.GROWTH * self.rate) / self.rate
+
+    def throttled(self, sent_at: float) -> None:
+        """A request sent at ``sent_at`` was throttled: cut the rate, once per round."""
+        with self._lock:
+            if sent_at < self._last_cut:
+                return  # sent before the last cut: that cut already answered this congestion
+            now = time.monotonic()
+            if self.rate is None:
+                # Unpaced until now: start from what was sent in the last second.
+                sent = sum(1 for t in self._recent if t > now - 1.0)
+                self._recent.clear()
+                self.rate = self._base = max(1.0, float(sent))
+            self.rate = max(min(self.FLOOR, self._base), self.rate * self.BETA)
+            self._last_cut = now
+            self._next_slot = max(self._next_slot, now + 1.0 / self.rate)
+
+
+class RateBook:
+    """The process's request rates, by (connection scope, key range, read or write)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rates: dict[tuple, RequestRate] = {}
+        self._starts: dict[tuple, float] = {}  # (scope, kind) -> rate a new range starts at
+
+    def rate(self, scope: tuple, key_range: str, kind: str) -> RequestRate:
+        with self._lock:
+            now = time.monotonic()
+            rate = self._rates.get((scope, key_range, kind))
+            if rate is not None and now - rate.last_used < TTL:
+                return rate
+            self._expire(now)
+            learned = [
+                r.rate for (s, _, k), r in self._rates.items() if s == scope and k == kind and r.rate is not None
+            ]
+            start = self._starts.get((scope, kind))
+            candidates = [x for x in (*learned, start) if x is not None]
+            rate = self._rates[(scope, key_range, kind)] = RequestRate(min(candidates) if candidates else None)
+            return rate
+
+    def share(self, scope: tuple, kind: str, rate: float) -> None:
+        """Start ranges of ``scope`` (new ones, and those not paced yet) at ``rate`` requests/s."""
+        with self._lock:
+            self._starts[(scope, kind)] = rate
+            for (s, _, k), r in self._rates.items():
+                if s == scope and k == kind and r.rate is None:
+                    with r._lock:
+                        r.rate = r._base = rate
+
+    def _expire(self, now: float) -> None:
+        for key in [k for k, r in self._rates.items() if now - r.last_used >= TTL]:
+            del self._rates[key]
+
+
+RATES = RateBook()
+
+
+def key_range(path: str) -> str:
+    """The key range a bucket-relative ``path`` is paced in: its parent folder."""
+    return path.rpartition("/")[0]

@@ -1,0 +1,126 @@
+"""Throttling is a rate signal: saves survive sustained 503 SlowDown without a retry storm.
+
+The proxy's ``ThrottleModel`` answers like one S3 partition under load (a
+token bucket of requests per second, 503 SlowDown for the excess).  The
+model is scaled down from S3's 3,500 writes/s to a few per second, and
+``TransferConfig.prefix_write_rate`` is set to the same figure, as the
+default is set to S3's.  Throughput against the modelled limit is measured
+in ``benchmarks/throttle.py``, not asserted here: a busy 2-core box sets no
+floor a test can hold.
+"""
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dist_utils import deadline_scale, run_ranks
+from s3server import ThrottleModel
+from workers import rank_tensors, save_under_throttling
+
+import dcpstore
+from dcpstore.storage import RetryPolicy, TransferConfig, open_store
+from dcpstore.storage.throttle import RATES
+
+MiB = 1 << 20
+
+
+def _store(bucket, proxy, prefix, **transfer):
+    return open_store(
+        f"s3://{bucket}/{prefix}", storage_options={"endpoint_url": proxy.endpoint}, transfer=TransferConfig(**transfer)
+    )
+
+
+def test_a_throttle_that_never_lifts_fails_within_its_budget_naming_the_object(bucket, proxy):
+    """Throttled answers are retried past max_attempts, for throttle_budget seconds, then named."""
+    rule = proxy.add("PUT", r"/always-busy$", status=503, code="SlowDown")
+    budget = 3.0
+    store = _store(bucket, proxy, "r", retry=RetryPolicy(max_attempts=2, initial_backoff=0.01, throttle_budget=budget))
+    t0 = time.monotonic()
+    with pytest.raises(dcpstore.ThrottledError, match=r"PUT s3://.*/r/always-busy was throttled for \d+s .*SlowDown"):
+        store.put("always-busy", b"x")
+    assert isinstance(dcpstore.ThrottledError("x"), dcpstore.TransientStorageError)
+    assert rule.hits > 2  # kept trying past max_attempts
+    # Bounded by the budget plus a paced slot and one request's round trip (generous slack for a busy box).
+    assert time.monotonic() - t0 < (budget + 5) * deadline_scale()
+
+
+def test_other_transient_errors_stay_bounded_by_attempts(bucket, proxy):
+    rule = proxy.add("PUT", r"/always-broken$", status=500, code="InternalError")
+    store = _store(bucket, proxy, "r", retry=RetryPolicy(max_attempts=3, initial_backoff=0.01))
+    with pytest.raises(dcpstore.TransientStorageError, match=r"always-broken failed after 3 attempt.*InternalError"):
+        store.put("always-broken", b"x")
+    assert rule.hits == 3
+
+
+def test_stores_and_threads_of_a_process_share_one_rate_per_key_range(bucket, proxy):
+    """Four stores on one prefix, four threads each, against a limit of 5 writes/s: few requests wasted.
+
+    Each store pacing itself would send four times what the key range admits.
+    """
+    proxy.throttle = ThrottleModel(rate=5, burst=5)
+    transfer = dict(prefix_write_rate=5.0, retry=RetryPolicy(initial_backoff=0.01))
+    stores = [_store(bucket, proxy, "shared", **transfer) for _ in range(4)]
+    stores[0].share_write_rate(1)
+    errors = []
+
+    def put_many(store, first):
+        try:
+            for i in range(first, first + 3):
+                store.put(f"obj-{i}", b"%d" % i)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=put_many, args=(s, 3 * (4 * n + t))) for n, s in enumerate(stores) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert sorted(o.key for o in stores[0].list()) == sorted(f"obj-{i}" for i in range(48))
+    assert proxy.throttle.admitted == 48
+    assert proxy.throttle.amplification <= 1.5, (proxy.throttle.sent, proxy.throttle.admitted)
+
+
+def test_a_cut_for_one_key_range_leaves_the_others_alone(bucket, proxy):
+    """Key spreading can only help if a hot range's cut does not slow the bucket's other ranges."""
+    store = _store(bucket, proxy, "ranges", prefix_write_rate=100.0)
+    store.share_write_rate(1)
+    store.put("cold/warm-up", b"x")
+    store.put("hot/warm-up", b"x")
+    proxy.add("PUT", r"/ranges/hot/", status=503, code="SlowDown", times=3)
+    store.put("hot/obj", b"x")
+    scope = (id(store.fs), bucket)
+    assert RATES.rate(scope, "ranges/hot", "write").rate < 100.0
+    assert RATES.rate(scope, "ranges/cold", "write").rate >= 100.0
+
+
+def test_eight_ranks_commit_under_sustained_throttling_without_a_retry_storm(bucket, s3, proxy):
+    """8 gloo ranks, plain dcp.save, one partition admitting 4 writes/s: every save commits bit-exact.
+
+    Each rank writes 2 objects of 6 MiB in 5 MiB parts (create, 2 parts,
+    complete): 8 write requests a rank, 65 with ``.metadata``, about 16 s
+    at the modelled limit.  Before rates were paced, 6 of 8 such saves
+    failed within 30 s, with 1.7x the requests needed.
+    """
+    world_size = 8
+    proxy.throttle = ThrottleModel(rate=4, burst=4)
+    transfer = TransferConfig(part_size=5 * MiB, max_concurrency=4, prefix_write_rate=4.0)
+    url = f"s3://{bucket}/ckpt"
+    run_ranks(save_under_throttling, world_size, url, proxy.endpoint, transfer, timeout=300)
+    model = proxy.throttle
+    assert model.throttled > 0 or model.last - model.first > 10  # the limit held the save back
+    assert model.admitted == 8 * world_size + 1
+    assert model.amplification <= 1.5, (model.sent, model.admitted)
+    proxy.throttle = None
+
+    expected = {k: v for r in range(world_size) for k, v in rank_tensors(r).items()}
+    loaded = {k: torch.empty_like(v) for k, v in expected.items()}
+    reader = dcpstore.ObjectStoreReader(url)
+    dcp.load(loaded, storage_reader=reader)
+    reader.close()
+    for k, v in expected.items():
+        assert torch.equal(loaded[k], v), k
