@@ -34,6 +34,8 @@ class Rule:
     reset: bool = False  # close the connection without answering
     drop_response: bool = False  # forward to the server, then close without answering
     truncate: bool = False  # forward, then send only half the response body
+    short: bool = False  # forward, then answer with half the body under a Content-Length that says so
+    corrupt: bool = False  # forward, then flip every bit of the body's middle byte (damage in transit)
     after: int = 0  # let this many matching requests through first (fail the Nth attempt)
     times: int | None = None  # apply this many times, then stop (None: always)
     seen: int = 0  # matching requests so far
@@ -198,6 +200,10 @@ class FaultProxy:
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "content-length", "connection"):
                         self.send_header(k, v)
+                if rule is not None and rule.short:
+                    data = data[: len(data) // 2]
+                if rule is not None and rule.corrupt and data:
+                    data = data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1 :]
                 # A HEAD answer has no body but keeps the object's length.
                 length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
                 self.send_header("Content-Length", length)

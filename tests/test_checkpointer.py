@@ -255,3 +255,23 @@ def test_an_unpicklable_value_raises_at_save_naming_its_key(bucket):
     ckpt.wait()
     assert ckpt.committed_steps() == [2]
     ckpt.close()
+
+
+def test_a_failed_load_raises_an_exception_naming_the_step_and_object(bucket, s3):
+    """torch's CheckpointException is a BaseException; load() raises dcpstore's own, which `except Exception` catches."""
+    root = f"s3://{bucket}/run"
+    sd = {"w": torch.arange(10.0), "b": torch.ones(3)}
+    with dcpstore.AsyncCheckpointer(root) as ckpt:
+        ckpt.save(sd, step=7)
+    shard = next(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="run/step_00000007/__")["Contents"])
+    s3.delete_object(Bucket=bucket, Key=shard)
+    with dcpstore.AsyncCheckpointer(root) as ckpt:
+        try:
+            ckpt.load({"w": torch.zeros(10), "b": torch.zeros(3)})
+        except Exception as e:  # noqa: BLE001 - what a training loop's fallback catches
+            error = e
+    assert isinstance(error, dcpstore.CheckpointLoadError) and isinstance(error, dcpstore.DcpstoreError)
+    assert error.step == 7
+    assert f"loading step 7 from {root}/step_00000007 failed: rank 0" in str(error)
+    assert shard.split("/")[-1] in str(error)
+    assert isinstance(error.__cause__, dcpstore.ObjectNotFoundError)

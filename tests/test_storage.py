@@ -392,3 +392,22 @@ def test_s3_url_without_bucket_is_refused(url, tmp_path, monkeypatch):
     assert not dcpstore.ObjectStoreWriter.validate_checkpoint_id(url)
     assert not dcpstore.ObjectStoreReader.validate_checkpoint_id(url)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_short_ranged_answer_is_retried(bucket, proxy):
+    """A 206 whose body is shorter than its range (under an honest Content-Length) is retried like a reset."""
+    store = _via_proxy(bucket, proxy, "short")
+    data = os.urandom(1 << 20)
+    store.put("obj", data)
+    rule = proxy.add("GET", r"/short/obj$", short=True, times=1)
+    assert bytes(store.get_range("obj", 1000, 600_000)) == data[1000:600_000]
+    assert rule.hits == 1
+
+
+def test_an_object_shorter_than_its_range_is_corrupt_at_once(bucket, proxy):
+    store = _via_proxy(bucket, proxy, "short")
+    store.put("obj", b"x" * 1000)
+    proxy.requests.clear()
+    with pytest.raises(CorruptCheckpointError, match=r"/short/obj: object is truncated: it holds 1000 bytes"):
+        store.get_range("obj", 0, 5000)
+    assert sum(1 for m, p in proxy.requests if m == "GET") == 1  # not retried: no retry brings the bytes

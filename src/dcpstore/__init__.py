@@ -15,8 +15,9 @@ _EXPORTS = {
     **dict.fromkeys(("AsyncCheckpointer", "SaveHandle", "SaveStats"), "checkpointer"),
     **dict.fromkeys(
         (
-            "BucketNotFoundError", "CheckpointExistsError", "CheckpointNotFoundError", "CheckpointSaveError",
-            "CheckpointTimeoutError", "CommitOutcomeUnknownError", "ConditionalWriteError", "CorruptCheckpointError", "DcpstoreError",
+            "BucketNotFoundError", "CheckpointExistsError", "CheckpointLoadError", "CheckpointNotFoundError",
+            "CheckpointSaveError", "CheckpointTimeoutError", "CommitOutcomeUnknownError", "ConditionalWriteError",
+            "CorruptCheckpointError", "DcpstoreError",
             "ObjectNotFoundError", "StateDictMismatchError", "StorageAccessError", "ThrottledError",
             "TransientStorageError", "UnpicklableValueError", "UnsafeCheckpointError", "UnsupportedByStoreError",
         ),
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from .errors import (
         BucketNotFoundError,
         CheckpointExistsError,
+        CheckpointLoadError,
         CheckpointNotFoundError,
         CheckpointSaveError,
         CheckpointTimeoutError,
@@ -75,6 +77,7 @@ __all__ = [
     "AsyncCheckpointer",
     "BucketNotFoundError",
     "CheckpointExistsError",
+    "CheckpointLoadError",
     "CheckpointNotFoundError",
     "CheckpointSaveError",
     "CheckpointTimeoutError",

@@ -49,6 +49,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
@@ -57,6 +58,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .commit import Outcome, landing_margin, wait_and_settle
 from .errors import (
     CheckpointExistsError,
+    CheckpointLoadError,
     CheckpointNotFoundError,
     CheckpointSaveError,
     CheckpointTimeoutError,
@@ -577,6 +579,9 @@ class AsyncCheckpointer:
 
         Also primes the plan cache from the checkpoint, so the next ``save``
         of the same structure runs no planning collective.  Returns the step.
+        A failure on any rank raises ``CheckpointLoadError`` on every rank
+        (an ``Exception``, unlike torch's ``CheckpointException``), naming the
+        step and the first failing rank's error, which is its ``__cause__``.
         Waits for pending saves first (raising their errors).
         ``allow_globals`` and ``allow_unsafe_pickle``: see ``ObjectStoreReader``.
         """
@@ -601,6 +606,9 @@ class AsyncCheckpointer:
                 # dcp.load warns whenever no_dist is set; a single process is intended here.
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(state_dict, storage_reader=reader, process_group=self._coll.group, no_dist=not self._coll.enabled)
+        except CheckpointException as e:
+            failures = {rank: wrapped[0] for rank, wrapped in e.failures.items()}
+            raise CheckpointLoadError(url, step, failures) from failures[min(failures)]
         finally:
             reader.close()
         # The writer only assigns storage prefixes here; it sends no request.

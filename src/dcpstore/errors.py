@@ -98,5 +98,23 @@ class CommitOutcomeUnknownError(CheckpointSaveError):
     verdict = "may or may not be committed (its shards are kept; `dcpstore verify` tells)"
 
 
+class CheckpointLoadError(DcpstoreError, RuntimeError):
+    """``AsyncCheckpointer.load`` failed on one or more ranks.
+
+    torch reports a failed ``dcp.load`` as ``CheckpointException``, a
+    ``BaseException`` that ``except Exception`` misses; this is its
+    ``Exception`` form.  ``failures`` maps rank to that rank's exception
+    (the first one is also ``__cause__``); the message names the step and
+    the first failing rank's error, which names the object.
+    """
+
+    def __init__(self, url: str, step: int, failures: dict[int, BaseException]):
+        self.url, self.step, self.failures = url, step, dict(failures)
+        rank = min(self.failures)
+        first = self.failures[rank]
+        more = f" (and {len(self.failures) - 1} more rank(s))" if len(self.failures) > 1 else ""
+        super().__init__(f"loading step {step} from {url} failed: rank {rank}: {type(first).__name__}: {first}{more}")
+
+
 class CheckpointTimeoutError(DcpstoreError, TimeoutError):
     """A background save did not finish within its timeout."""

@@ -71,6 +71,14 @@ class ObjectStoreReader(StorageReader, StoreOwner):
             default, 1 MiB, costs about what one more request's latency
             does on S3 (~10 ms at ~100 MB/s a connection).
         verify_checksums: check each item's crc32 when the checkpoint has them.
+            An item whose crc32 fails is fetched once more; if it fails
+            again, ``CorruptCheckpointError`` names the item and says whether
+            its destination tensor now holds the unverified bytes.
+        verify_before_landing: land no tensor's bytes in its destination
+            before their crc32 is checked, so a corrupt item leaves the
+            destination as it was.  Off by default: each item then takes a
+            buffer of its own and one more copy (a tensor loaded in place
+            costs one copy beyond the socket read).
         allow_globals: classes and functions (or ``(object, "module.name")``
             pairs) to trust beyond the defaults, in ``.metadata`` (a custom
             ``planner_data`` type) and in non-tensor items.  Globals registered
@@ -94,6 +102,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         readahead_bytes: int = 512 << 20,
         coalesce_gap_bytes: int = 1 << 20,
         verify_checksums: bool = True,
+        verify_before_landing: bool = False,
         allow_globals: Iterable[Any] = (),
         allow_unsafe_pickle: bool = False,
         _extension_registry: ExtensionRegistry | None = None,
@@ -105,6 +114,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         self.readahead_bytes = readahead_bytes
         self.coalesce_gap_bytes = coalesce_gap_bytes
         self.verify_checksums = verify_checksums
+        self.verify_before_landing = verify_before_landing
         self.allow_globals = list(allow_globals)
         self.allow_unsafe_pickle = allow_unsafe_pickle
         self._store: ObjectStore | None = None
@@ -224,13 +234,24 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         targets = [planner.resolve_tensor(req).detach() for req in reqs]
         alone = claims.claim(targets)
         whole = len(reqs) == 1 and not info.transform_descriptors and not any(reqs[0].storage_offsets)
-        return info, reqs, targets, ItemLanding(info.length, targets[0] if alone and whole else None)
+        in_place = alone and whole and not self.verify_before_landing
+        return info, reqs, targets, ItemLanding(info.length, targets[0] if in_place else None)
 
     def _deliver(self, reqs: list[ReadItem], info: _StorageInfo, targets, landing: ItemLanding, planner: LoadPlanner) -> None:
         where = f"{self.store.url_for(info.relative_path)} (item {reqs[0].storage_index.fqn!r}, bytes {info.offset}+{info.length})"
         expected = self._checksums.get(reqs[0].storage_index)
         if expected is not None and landing.crc32() != expected:
-            raise CorruptCheckpointError(f"{where}: checksum mismatch, the shard object is corrupted")
+            # Bytes damaged on the way are fetched once more; damaged in storage, they fail again.
+            landing = ItemLanding(info.length, landing.target)
+            end = info.offset + info.length
+            self.store.get_range_async(info.relative_path, info.offset, end, RangeScatter([(0, landing)])).result()
+            if landing.crc32() != expected:
+                fate = (
+                    f"the tensor {reqs[0].dest_index.fqn!r} now holds these unverified bytes"
+                    if landing.in_destination
+                    else "its destination keeps its old contents"
+                )
+                raise CorruptCheckpointError(f"{where}: checksum mismatch on two fetches, the shard object is corrupted; {fate}")
         raw = landing.leftover()
         if raw is None:  # the data landed in the destination, as torch.load would read it
             planner.commit_tensor(reqs[0], landing.target)

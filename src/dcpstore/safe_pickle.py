@@ -22,6 +22,19 @@ member, and so rewrites torch's classes for the rest of the process.  The C
 unpickler offers no hook for BUILD; the Python one does.  It is 2.5-3.5x
 slower: a 14 MB ``.metadata`` (40k items, plans of 8 ranks) takes 5-9 s
 instead of 2-3 s on a 2-core machine; a typical one takes milliseconds.
+
+Bounded: a pickle of ``n`` bytes may only cost work in proportion to ``n``.
+The allow-list alone does not bound it: ``bytearray(3_000_000_000)`` is an
+allowed call on 70 bytes, a call on a memoized list repeats its work for
+every 6-byte reference to it, and a dict whose int keys all hash alike
+costs the square of its size (ints hash to themselves; strings, and so
+every key DCP writes, hash with a per-process random seed).  So no allowed
+callable takes a size from the bucket (``bytearray`` only copies bytes),
+every call and every container fill is charged against a budget of
+``WORK_PER_BYTE`` units per input byte, keys with a predictable hash are
+capped at ``MAX_PREDICTABLE_KEYS``, and containers nest at most
+``MAX_NESTING`` deep.  A refusal raises ``CorruptCheckpointError`` (via
+``reader.parse_metadata``) naming the object.
 """
 
 from __future__ import annotations
@@ -41,6 +54,22 @@ from torch.distributed.checkpoint import metadata as _dcp_metadata
 from torch.distributed.checkpoint import planner as _dcp_planner
 
 from .errors import UnsafeCheckpointError
+
+WORK_PER_BYTE = 8  # work units (items filled, elements passed to a call) per byte of pickle
+WORK_FLOOR = 1 << 16  # a tiny pickle still gets this much
+MAX_PREDICTABLE_KEYS = 4096  # dict/set keys whose hash an attacker can choose (ints, floats, their tuples)
+MAX_NESTING = 100  # open MARKs: containers being filled inside one another
+
+
+class ParseBudgetError(ValueError):
+    """A pickle asked for more work than its size allows; ``reader.parse_metadata`` names the object."""
+
+
+def _bytearray(data=b"", *args) -> bytearray:
+    """``bytearray`` as pickles call it (a copy of bytes, or of a str with its encoding), never of a size."""
+    if isinstance(data, int):
+        raise ParseBudgetError(f"refusing bytearray({data}): a size read from the bucket would allocate it")
+    return bytearray(data, *args)
 
 _TRUST_HINT = "pass allow_globals=[...] or torch.serialization.add_safe_globals to trust it"
 
@@ -93,8 +122,9 @@ def _builtin_allowed() -> dict[str, Any]:
     for module in ("pathlib", "pathlib._local"):
         add(module, ["PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"], pathlib)
     allowed["collections.OrderedDict"] = OrderedDict
-    for value in (set, frozenset, complex, bytearray):
+    for value in (set, frozenset, complex):
         allowed[f"builtins.{value.__name__}"] = value
+    allowed["builtins.bytearray"] = _bytearray
     return allowed
 
 
@@ -133,8 +163,11 @@ class _AllowListUnpickler(pickle._Unpickler):
 
     dispatch = dict(pickle._Unpickler.dispatch)
 
-    def __init__(self, file, url: str, allowed: dict[str, Any]):
+    def __init__(self, file, url: str, allowed: dict[str, Any], size: int):
         super().__init__(file)
+        self._work_left = WORK_FLOOR + WORK_PER_BYTE * size
+        self._size = size
+        self._predictable_keys = 0
         self._url = url
         self._allowed = allowed
         self._allowed_ids = {id(obj) for obj in allowed.values()}
@@ -156,30 +189,120 @@ class _AllowListUnpickler(pickle._Unpickler):
         if id(func) not in self._allowed_ids:
             raise UnsafeCheckpointError(f"{self._url}: refusing to call {_describe(func)}: not on dcpstore's allow-list")
 
+    # -- the budget -------------------------------------------------------------
+
+    def _charge(self, units: int) -> None:
+        self._work_left -= units
+        if self._work_left < 0:
+            raise ParseBudgetError(
+                f"the pickle asks for more work than its {self._size} bytes allow "
+                f"({WORK_PER_BYTE} units a byte): not a .metadata DCP writes"
+            )
+
+    def _charge_call(self, args: Any, func: Any = None) -> None:
+        """A call's cost: the elements it is handed (a call copies or iterates them), and what it hashes."""
+        units = 1
+        for arg in args if isinstance(args, tuple) else (args,):
+            units += len(arg) if isinstance(arg, (list, tuple, dict, set, frozenset, str, bytes, bytearray)) else 1
+            if func in (set, frozenset) and isinstance(arg, (list, tuple)):
+                self._charge_keys(arg)
+            elif func is OrderedDict and isinstance(arg, (list, tuple)):
+                self._charge_keys([pair[0] for pair in arg if isinstance(pair, tuple) and pair])
+        self._charge(units)
+
+    def _charge_keys(self, keys: Iterable[Any]) -> None:
+        """Keys about to be hashed: charge hashing a tuple (Python does not cache it), count predictable ones."""
+        for key in keys:
+            if isinstance(key, (tuple, frozenset)):
+                self._charge(_hash_cost(key, self._work_left))
+            elif not (isinstance(key, (int, float, complex)) or key is None):
+                continue  # str, bytes, MetadataIndex and the like: hashes seeded per process
+            self._predictable_keys += 1
+            if self._predictable_keys > MAX_PREDICTABLE_KEYS:
+                raise ParseBudgetError(
+                    f"more than {MAX_PREDICTABLE_KEYS} dict or set keys whose hash the writer can choose "
+                    "(numbers, tuples): DCP writes none, and their collisions cost quadratic time"
+                )
+
+    def load_mark(self) -> None:
+        if len(self.metastack) >= MAX_NESTING:
+            raise ParseBudgetError(f"containers nested more than {MAX_NESTING} deep")
+        super().load_mark()
+
+    dispatch[pickle.MARK[0]] = load_mark
+
+    def load_appends(self) -> None:
+        self._charge(len(self.stack))  # the items above the mark, about to be appended
+        super().load_appends()
+
+    dispatch[pickle.APPENDS[0]] = load_appends
+
+    def load_setitems(self) -> None:
+        items = self.stack
+        self._charge(len(items))
+        self._charge_keys(items[0::2])
+        super().load_setitems()
+
+    dispatch[pickle.SETITEMS[0]] = load_setitems
+
+    def load_setitem(self) -> None:
+        self._charge(1)
+        self._charge_keys((self.stack[-2],))
+        super().load_setitem()
+
+    dispatch[pickle.SETITEM[0]] = load_setitem
+
+    def load_additems(self) -> None:
+        self._charge(len(self.stack))
+        self._charge_keys(self.stack)
+        super().load_additems()
+
+    dispatch[pickle.ADDITEMS[0]] = load_additems
+
+    def load_frozenset(self) -> None:
+        self._charge(len(self.stack))
+        self._charge_keys(self.stack)
+        super().load_frozenset()
+
+    dispatch[pickle.FROZENSET[0]] = load_frozenset
+
+    def load_dict(self) -> None:
+        self._charge(len(self.stack))
+        self._charge_keys(self.stack[0::2])
+        super().load_dict()
+
+    dispatch[pickle.DICT[0]] = load_dict
+
     def _instantiate(self, klass: Any, args: Any) -> None:
         self._check_callable(klass)
+        self._charge_call(args)
         super()._instantiate(klass, args)
 
     def load_reduce(self) -> None:
         self._check_callable(self.stack[-2])
+        self._charge_call(self.stack[-1], self.stack[-2])
         super().load_reduce()
 
     dispatch[pickle.REDUCE[0]] = load_reduce
 
     def load_newobj(self) -> None:
         self._check_callable(self.stack[-2])
+        self._charge_call(self.stack[-1])
         super().load_newobj()
 
     dispatch[pickle.NEWOBJ[0]] = load_newobj
 
     def load_newobj_ex(self) -> None:
         self._check_callable(self.stack[-3])
+        self._charge_call(self.stack[-2])
+        self._charge_call(tuple(self.stack[-1].values()) if isinstance(self.stack[-1], dict) else self.stack[-1])
         super().load_newobj_ex()
 
     dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
 
     def load_build(self) -> None:
         inst = self.stack[-2]
+        self._charge_call(self.stack[-1])
         if id(type(inst)) not in self._buildable:
             raise UnsafeCheckpointError(
                 f"{self._url}: refusing to restore state into {_describe(inst)}: "
@@ -200,7 +323,20 @@ def loads_metadata(raw: bytes, url: str, allow_globals: Iterable[Any] = ()) -> A
     anything not allowed is called; other failures propagate as they come.
     """
     allowed = {**_builtin_allowed(), **_by_name(torch.serialization.get_safe_globals()), **_by_name(allow_globals)}
-    return _AllowListUnpickler(io.BytesIO(raw), url, allowed).load()
+    return _AllowListUnpickler(io.BytesIO(raw), url, allowed, len(raw)).load()
+
+
+def _hash_cost(key: tuple | frozenset, limit: int) -> int:
+    """Elements that hashing ``key`` visits (nested tuples each time they occur, as ``hash`` does), up to past ``limit``."""
+    cost, todo = 0, [key]
+    while todo:
+        item = todo.pop()
+        cost += len(item)
+        if cost > limit:  # the charge refuses it; counting on would be the work it guards against
+            return cost
+        if isinstance(item, tuple):
+            todo.extend(x for x in item if isinstance(x, tuple))
+    return cost
 
 
 def _weights_only_reason(exc: BaseException) -> str:

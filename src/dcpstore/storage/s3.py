@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Iterable
 
-from ..errors import ConditionalWriteError, ObjectNotFoundError, UnsupportedByStoreError
+from ..errors import ConditionalWriteError, CorruptCheckpointError, ObjectNotFoundError, UnsupportedByStoreError
 from .base import (
     MultipartUploadInfo,
     ObjectHead,
@@ -173,6 +173,8 @@ class S3ObjectStore(ObjectStore):
                 if read_body:
                     async with resp["Body"] as stream:
                         resp["Body"] = await (stream.read() if into is None else _read_into(stream, *into))
+                    if into is not None:
+                        self._check_body_length(key, kwargs.get("Range"), resp)
                 rate.succeeded()
                 return resp
             except Exception as e:  # noqa: BLE001 - classified below and by _retry_delay
@@ -202,6 +204,30 @@ class S3ObjectStore(ObjectStore):
         if self.transfer.prefix_write_rate is not None:
             bucket = self._split("")[0]
             RATES.share((id(self.fs), bucket), "write", self.transfer.prefix_write_rate / max(1, writers))
+
+    def _check_body_length(self, key: str, asked: str | None, resp: dict) -> None:
+        """A ranged body shorter than its range is retried, unless the object itself ends there.
+
+        A 206 may carry fewer bytes than asked (a connection cut short under
+        an honest Content-Length, a proxy): that is a transient error, like a
+        reset.  Only when the object is shorter than the range (the total of
+        ``Content-Range``) is it ``CorruptCheckpointError``: no retry brings
+        the missing bytes.
+        """
+        if asked is None:
+            return
+        start, _, end = asked.removeprefix("bytes=").partition("-")
+        wanted = int(end) + 1 - int(start)
+        received = resp["Body"]
+        if received >= wanted:
+            return
+        total = (resp.get("ContentRange") or "").rpartition("/")[2]
+        if total.isdigit() and int(total) <= int(end):
+            raise CorruptCheckpointError(
+                f"{self.url_for(key)}: object is truncated: it holds {total} bytes, "
+                f"and bytes [{start}, {int(end) + 1}) were asked for"
+            )
+        raise ShortBodyError(f"{self.url_for(key)}: {received} of {wanted} bytes of a ranged GET came back")
 
     def _send_deadline(self, body) -> float:
         """Seconds a request that sends ``body`` may take in all (see ``TransferConfig.min_send_rate``)."""
@@ -442,6 +468,10 @@ async def _read_into(stream, sink, offset: int, limit: int) -> int:
             sink.write(offset + pos, memoryview(chunk)[:n])
         pos += len(chunk)
     return pos
+
+
+class ShortBodyError(ConnectionError):
+    """A response body ended before the length its range asked for: retried like a reset."""
 
 
 def _as_body(data) -> bytes | bytearray | ViewBody:
