@@ -55,6 +55,7 @@ class _Partition:
     low: str  # the first key of its range
     tokens: float
     refilled: float
+    born: float = 0.0  # when it came to be (its share of the modelled capacity starts then)
     hot_since: float | None = None  # when its current run of throttling began
     last_throttle: float = 0.0
     keys: list = dataclasses.field(default_factory=list)  # keys asked for while hot (split point)
@@ -75,8 +76,9 @@ class ThrottleModel:
     def __init__(self, rate: float, burst: float, methods=("PUT", "POST", "DELETE"), split_after: float | None = None):
         self.rate, self.burst, self.methods, self.split_after = rate, burst, frozenset(methods), split_after
         now = time.monotonic()
-        self.partitions = [_Partition("", burst, now)]
+        self.partitions = [_Partition("", burst, now, born=now)]
         self.sent = self.admitted = self.throttled = 0
+        self.started = None  # time of the first request it saw
         self.first = self.last = None  # times of the first and last admitted request
 
     def admit(self, method: str, path: str) -> bool:
@@ -86,6 +88,7 @@ class ThrottleModel:
         key = urllib.parse.urlsplit(path).path.lstrip("/")
         now = time.monotonic()
         self.sent += 1
+        self.started = self.started or now
         i = bisect.bisect_right([p.low for p in self.partitions], key) - 1
         part = self.partitions[i]
         part.tokens = min(self.burst, part.tokens + (now - part.refilled) * self.rate)
@@ -114,7 +117,11 @@ class ThrottleModel:
         if middle <= part.low:
             return  # one key alone: nothing to split
         part.hot_since, part.keys = None, []
-        self.partitions.insert(i + 1, _Partition(middle, self.burst, now))
+        self.partitions.insert(i + 1, _Partition(middle, self.burst, now, born=now))
+
+    def allowed(self, start: float, end: float) -> float:
+        """Requests the model admits in ``[start, end]``: every partition's rate while it existed, plus one burst."""
+        return self.burst + sum(self.rate * max(0.0, end - max(start, p.born)) for p in self.partitions)
 
     @property
     def amplification(self) -> float:

@@ -106,3 +106,33 @@ def test_every_rank_reports_a_commit_whose_answer_was_lost(bucket, s3, proxy):
     proxy.clear()
     for r in run_ranks(load_sharded, 2, f"{root}/step_00000001", "dcpstore").values():
         assert_loaded(r)
+
+
+@pytest.mark.parametrize("after_put", [False, True], ids=["dies-before-the-put", "dies-after-it-landed"])
+def test_time_to_an_outcome_when_the_coordinator_dies_at_the_commit(bucket, s3, after_put):
+    """3 gloo ranks; rank 0 dies at the .metadata PUT.  The others report what storage shows, within the bound.
+
+    The bound is the README's: the broken collective (at once: the peer's
+    socket closes), then commit_window + connect + read timeout + 1 s, plus
+    1 s of jitter and slack for a busy box (deadline_scale).
+    """
+    from dist_utils import deadline_scale
+    from workers import checkpointer_coordinator_dies_at_commit
+
+    window = 2.0
+    root = f"s3://{bucket}/run"
+    results = run_ranks(
+        checkpointer_coordinator_dies_at_commit, 3, root, FAST, window, after_put, expect_killed=(0,), timeout=240
+    )
+    bound = (window + FAST.connect_timeout + FAST.read_timeout + 1 + 1 + 15) * deadline_scale()
+    for rank in (1, 2):
+        outcome, seconds = results[rank]
+        assert seconds < bound, (rank, seconds, bound)
+        if after_put:
+            assert outcome == "committed"
+        else:
+            assert outcome.startswith("CheckpointSaveError") and "storage shows no .metadata of this save" in outcome
+    assert object_exists(s3, bucket, "run/step_00000001/.metadata") == after_put
+    if after_put:
+        for r in run_ranks(load_sharded, 2, f"{root}/step_00000001", "dcpstore").values():
+            assert_loaded(r)

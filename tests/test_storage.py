@@ -411,3 +411,31 @@ def test_an_object_shorter_than_its_range_is_corrupt_at_once(bucket, proxy):
     with pytest.raises(CorruptCheckpointError, match=r"/short/obj: object is truncated: it holds 1000 bytes"):
         store.get_range("obj", 0, 5000)
     assert sum(1 for m, p in proxy.requests if m == "GET") == 1  # not retried: no retry brings the bytes
+
+
+def _failed_save_with_abort_faults(bucket, proxy, prefix, abort_failures):
+    """A streamed upload whose part 2 always fails, and whose abort fails ``abort_failures`` times."""
+    proxy.add("PUT", rf"/{prefix}/obj\?.*partNumber=2", status=500, code="InternalError")
+    abort = proxy.add("DELETE", rf"/{prefix}/obj\?uploadId=", status=500, code="InternalError", times=abort_failures)
+    transfer = TransferConfig(part_size=5 * MiB, max_concurrency=2, retry=RetryPolicy(max_attempts=2, initial_backoff=0.01, max_backoff=0.05))
+    store = _via_proxy(bucket, proxy, prefix, transfer)
+    with pytest.raises(TransientStorageError):
+        with store.open_writer("obj") as w:
+            w.write(os.urandom(11 * MiB))
+    return store, abort
+
+
+def test_a_failed_abort_is_retried_until_no_upload_is_left_open(bucket, proxy):
+    store, abort = _failed_save_with_abort_faults(bucket, proxy, "abort-later", abort_failures=3)
+    store.settle_aborts()  # what ObjectStoreWriter.close() does
+    assert abort.hits == 3  # the save's 2 attempts, one background round, then it went through
+    assert store.list_multipart_uploads() == []
+
+
+def test_an_upload_that_cannot_be_aborted_is_named_with_the_gc_command(bucket, proxy, caplog):
+    store, abort = _failed_save_with_abort_faults(bucket, proxy, "abort-never", abort_failures=None)
+    with caplog.at_level("WARNING", logger="dcpstore.storage.s3"):
+        store.settle_aborts()
+    (upload,) = store.list_multipart_uploads()
+    assert f"s3://{bucket}/abort-never/obj: multipart upload {upload.upload_id} could not be aborted" in caplog.text
+    assert f"`dcpstore gc s3://{bucket}/abort-never`" in caplog.text

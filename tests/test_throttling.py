@@ -124,3 +124,21 @@ def test_eight_ranks_commit_under_sustained_throttling_without_a_retry_storm(buc
     reader.close()
     for k, v in expected.items():
         assert torch.equal(loaded[k], v), k
+
+
+def test_key_spread_places_shards_under_hashed_sub_prefixes_that_stock_readers_load(bucket, s3):
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    url = f"s3://{bucket}/spread"
+    sd = {f"t{i}": torch.randn(1000, generator=torch.Generator().manual_seed(i)) for i in range(16)}
+    writer = dcpstore.ObjectStoreWriter(url, objects_per_rank=8, key_spread=4)
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    writer.close()
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="spread/")["Contents"]]
+    folders = {k.split("/")[1] for k in keys if k.endswith(".distcp")}
+    assert len(folders) > 1 and folders <= {"00", "40", "80", "c0"}, folders
+    assert all(k.count("/") == 2 for k in keys if k.endswith(".distcp"))
+    for reader in (dcpstore.ObjectStoreReader(url), FsspecReader(url)):
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(out, storage_reader=reader, no_dist=True)
+        assert all(torch.equal(out[k], sd[k]) for k in sd)

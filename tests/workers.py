@@ -325,3 +325,32 @@ def checkpointer_one_save(rank, world_size, root, proxy_endpoint, transfer, comm
         return type(e).__name__, str(e)
     finally:
         ckpt.close()
+
+
+def checkpointer_coordinator_dies_at_commit(rank, world_size, root, transfer, commit_window, after_put):
+    """Rank 0 dies at its ``.metadata`` PUT (before it is sent, or once it landed); the others report.
+
+    Returns ``(outcome, seconds from the save to the outcome)`` on the ranks that live.
+    """
+    import time
+
+    ckpt = dcpstore.AsyncCheckpointer(
+        root, transfer=transfer, commit_window=commit_window, collective_timeout=datetime.timedelta(seconds=20)
+    )
+    if rank == 0:
+        commit = ckpt._writer.commit
+
+        def commit_then_die(*args, **kwargs):  # the process dies here, as a SIGKILL would take it
+            if after_put:
+                commit(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        ckpt._writer.commit = commit_then_die
+    t0 = time.monotonic()
+    handle = ckpt.save(sharded_state_dict(world_size, 0), step=1)
+    try:
+        handle.result()
+        outcome = "committed"
+    except dcpstore.CheckpointSaveError as e:
+        outcome = f"{type(e).__name__}: {e}"
+    return outcome, time.monotonic() - t0

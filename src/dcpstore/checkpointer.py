@@ -69,6 +69,7 @@ from .layout import METADATA_KEY, committed_steps, delete_committed_step, step_p
 from .plan_cache import CachedPlan, PlanCache
 from .reader import ObjectStoreReader, check_state_dict, read_metadata_bytes
 from .staging import StagedItems, StagingPool
+from .steps import CommitOrder, CommitRecord, retained
 from .storage import TransferConfig, normalize_url, open_store
 from .writer import ObjectStoreWriter
 
@@ -193,8 +194,10 @@ class AsyncCheckpointer:
             default one is created from the default group (a collective call:
             construct the checkpointer on every rank).
         storage_options: passed to fsspec (see ``ObjectStoreWriter``).
-        keep_last: after each commit, delete committed steps beyond the
-            newest ``keep_last`` (never the newest one).  ``None`` keeps all.
+        keep_last: after each commit, keep ``keep_last`` committed steps:
+            the one just committed and its lineage (the steps it continued
+            from, through ``load``) first, then the most recently committed
+            (see ``steps``); delete the rest.  ``None`` keeps all.
         planning: ``"central"`` (torch's gather/scatter through a
             coordinator) or ``"decentralized"`` (one all-gather; every rank
             builds the global plan itself).
@@ -211,7 +214,7 @@ class AsyncCheckpointer:
             answer is final: ``commit_window`` plus ``landing_margin``
             (connect + read timeout + 1 s).  It returns as soon as the
             ``.metadata`` shows up.
-        transfer, objects_per_rank: see ``ObjectStoreWriter``.
+        transfer, objects_per_rank, key_spread: see ``ObjectStoreWriter``.
     """
 
     def __init__(
@@ -228,6 +231,7 @@ class AsyncCheckpointer:
         commit_window: float = 60.0,
         transfer: TransferConfig | None = None,
         objects_per_rank: int = 4,
+        key_spread: int = 1,
         pin_memory: bool | None = None,
     ):
         if planning not in PLANNING_MODES:
@@ -249,11 +253,17 @@ class AsyncCheckpointer:
             process_group = dist.new_group(backend="gloo", timeout=collective_timeout)
         self._coll = _Collectives(process_group)
         self.plan_cache = PlanCache()
+        self._order = CommitOrder(self.store)
+        self._sequence: int | None = None  # of the root's newest commit, once read (coordinator)
+        self._highest_step: int | None = None  # the highest step number committed under the root, as known
+        self._parent: int | None = None  # the step the next save continues from: last saved or loaded
+        self._unsettled: set[int] = set()  # steps whose commit outcome was unknown: never pruned here
         self._writer = ObjectStoreWriter(
             self.root,
             storage_options=self.storage_options,
             transfer=self.transfer,
             objects_per_rank=objects_per_rank,
+            key_spread=key_spread,
             commit_window=commit_window,
         )
         self._pools = [StagingPool(pin_memory) for _ in range(max_in_flight)]
@@ -478,6 +488,7 @@ class AsyncCheckpointer:
                 verdict = self._settle_without_coordinator(job, writer, error, e)
                 results = None  # storage's answer is final, but such a rank deletes nothing: gc reclaims
         if verdict is None:
+            self._parent = job.step
             return
         outcome, failures = verdict
         if outcome is Outcome.UNKNOWN:
@@ -494,18 +505,43 @@ class AsyncCheckpointer:
         if failures:
             return Outcome.FAILED, failures
         try:
+            record = self._next_commit(job)
+            writer.commit_tags, writer.commit_record = record.tags(), record.planner_data()
             writer.finish(metadata, gathered)
         except CommitOutcomeUnknownError as e:
+            self._sequence = record.sequence  # it may have committed with it
+            self._unsettled.add(job.step)
             return Outcome.UNKNOWN, e.failures
         except CheckpointExistsError as e:
             return Outcome.REFUSED, {self.rank: f"writing .metadata was refused: {_describe(e)}"}
         except Exception as e:  # noqa: BLE001
             return Outcome.FAILED, {self.rank: f"writing .metadata failed: {_describe(e)}"}
+        self._order.remember(record)
+        self._sequence = record.sequence
         if self.keep_last is not None:
             # Before the outcome goes out: once a save is done on any
             # rank, every rank's committed_steps() lists what is kept.
             self._prune()
         return None
+
+    def _next_commit(self, job: _SaveJob) -> CommitRecord:
+        """This save's commit record: the next sequence under the root, and the step the job continued from.
+
+        The first commit of a checkpointer reads the root's records (one
+        listing, one HEAD a step); later ones count on from there.
+        """
+        if self._sequence is None:
+            records = self._order.records(committed_steps(self.store))
+            self._sequence = self._order.next_sequence(records) - 1
+            self._highest_step = max((r.step for r in records), default=None)
+        if self._highest_step is not None and job.step < self._highest_step:
+            logger.warning(
+                "%s: saving step %d below the highest committed step %d; steps are ordered by when "
+                "they committed, so step %d becomes the latest",
+                self.root, job.step, self._highest_step, job.step,
+            )
+        self._highest_step = max(job.step, self._highest_step or job.step)
+        return CommitRecord(job.step, self._sequence + 1, self._parent)
 
     def _settle_without_coordinator(self, job: _SaveJob, writer: ObjectStoreWriter, error, broken: BaseException):
         """The verdict of a rank that lost the coordinator's answer: what storage shows, once it is final.
@@ -534,36 +570,44 @@ class AsyncCheckpointer:
         raise CheckpointSaveError(url, {r: m for r, m in enumerate(messages) if m is not None}) from error
 
     def _prune(self) -> None:
-        """Delete committed steps beyond the newest ``keep_last`` (coordinator only); best effort.
+        """Delete committed steps beyond ``keep_last`` (coordinator only); best effort.
 
-        The step just committed stays whatever happens here: a failure is logged.
+        Kept: the newest commit and its lineage, then the newest of the rest
+        (see ``steps.retained``), so the step just committed always stays.
+        A failure here is logged.
         """
         try:
-            steps = committed_steps(self.store)
-            for step in steps[: -self.keep_last]:
-                delete_committed_step(self.store, step_prefix(step))
+            records = self._order.records(committed_steps(self.store))
+            keep = retained(records, self.keep_last) | self._unsettled
+            for record in records:
+                if record.step not in keep:
+                    delete_committed_step(self.store, step_prefix(record.step))
         except Exception as e:  # noqa: BLE001
             logger.warning("%s: keep_last=%d pruning failed: %s", self.root, self.keep_last, e)
+
+    def _ordered_steps(self) -> list[int]:
+        """Committed steps under the root, oldest commit first (see ``steps``)."""
+        return [r.step for r in self._order.records(committed_steps(self.store))]
 
     # -- reading ------------------------------------------------------------------------
 
     def committed_steps(self) -> list[int]:
-        """Committed steps under the root, oldest first, after waiting for pending saves.
+        """Committed steps under the root, oldest commit first (not by number), after waiting for pending saves.
 
         Every rank lists the same steps: a save completes on a rank only
         after the coordinator has committed it and pruned beyond ``keep_last``.
         """
         self.wait()
-        return committed_steps(self.store)
+        return self._ordered_steps()
 
     def latest_step(self) -> int | None:
-        """The newest committed step under the root, or ``None``; agreed on by all ranks.
+        """The most recently committed step under the root (by commit order, not number), or ``None``; agreed on by all ranks.
 
         Waits for pending saves first (raising their errors): their
         collectives must not interleave with this one.
         """
         self.wait()
-        steps = committed_steps(self.store) if self._coll.is_coordinator else None
+        steps = self._ordered_steps() if self._coll.is_coordinator else None
         steps = self._coll.broadcast(steps)
         return steps[-1] if steps else None
 
@@ -575,7 +619,10 @@ class AsyncCheckpointer:
         allow_globals: tuple = (),
         allow_unsafe_pickle: bool = False,
     ) -> int:
-        """Load ``step`` (default: the latest committed) into ``state_dict`` in place.
+        """Load ``step`` (default: the latest committed, see ``latest_step``) into ``state_dict`` in place.
+
+        The next save continues from ``step``: it is that commit's parent,
+        which retention keeps (see ``steps``).
 
         Also primes the plan cache from the checkpoint, so the next ``save``
         of the same structure runs no planning collective.  Returns the step.
@@ -611,6 +658,7 @@ class AsyncCheckpointer:
             raise CheckpointLoadError(url, step, failures) from failures[min(failures)]
         finally:
             reader.close()
+        self._parent = step
         # The writer only assigns storage prefixes here; it sends no request.
         writer = ObjectStoreWriter(url, storage_options=self.storage_options, transfer=self.transfer)
         try:
@@ -637,7 +685,7 @@ class AsyncCheckpointer:
         """
         try:
             if step is None:
-                steps = committed_steps(self.store)
+                steps = self._ordered_steps()
                 if not steps:
                     raise CheckpointNotFoundError(f"{self.root}: no committed checkpoint to load")
                 step = steps[-1]

@@ -217,7 +217,6 @@ def plan_gc(store: ObjectStore, keep_last: int | None, grace: float, now: float 
     now = time.time() if now is None else now
     steps = list_steps(store)
     committed = [s for s in steps if s.committed]
-    newest = committed[-1].step if committed else None
     all_uploads = _open_uploads(store)
     active = {u.key.split("/", 1)[0] for u in all_uploads if (u.initiated or 0) >= now - grace}
     incomplete = [
@@ -226,7 +225,11 @@ def plan_gc(store: ObjectStore, keep_last: int | None, grace: float, now: float 
     uploads = [u for u in all_uploads if (u.initiated or 0) < now - grace]
     pruned = []
     if keep_last is not None and len(committed) > keep_last:
-        pruned = [s for s in committed[:-keep_last] if s.step != newest]
+        # By commit order and lineage, as AsyncCheckpointer(keep_last=...) keeps them (see steps).
+        from .steps import CommitOrder, retained
+
+        keep = retained(CommitOrder(store).records([s.step for s in committed]), keep_last)
+        pruned = [s for s in committed if s.step not in keep]
     return incomplete, uploads, pruned
 
 
@@ -296,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gc", help="delete incomplete steps and stale uploads; optionally prune old steps")
     p.add_argument("root", help="checkpoint root")
-    p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep only the newest N committed steps")
+    p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep N committed steps: the newest commit and its lineage first, then the most recent (as AsyncCheckpointer's keep_last)")
     p.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                    help="leave incomplete steps and uploads younger than this alone (a save may be running); default 3600")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")

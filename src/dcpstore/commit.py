@@ -61,13 +61,20 @@ def landing_margin(store: ObjectStore) -> float:
 
 
 def write_metadata(
-    store: ObjectStore, raw: bytes, nonce: str, *, replaced_etag: str | None, window: float
+    store: ObjectStore,
+    raw: bytes,
+    nonce: str,
+    *,
+    replaced_etag: str | None,
+    window: float,
+    tags: dict[str, str] | None = None,
 ) -> tuple[Outcome, BaseException | None]:
     """Write ``.metadata`` conditionally, trying for at most ``window`` seconds; the outcome and the error, if any.
 
     ``replaced_etag``: the ETag of the committed ``.metadata`` an overwrite
     replaces (``If-Match``), or ``None`` for a new checkpoint
-    (``If-None-Match: *``).
+    (``If-None-Match: *``).  ``tags``: more user metadata for the object
+    (a checkpointer's commit sequence, see ``steps``).
     """
     tries = Tries()
     try:
@@ -76,7 +83,7 @@ def write_metadata(
             raw,
             if_none_match=replaced_etag is None,
             if_match=replaced_etag,
-            metadata={NONCE_KEY: nonce},
+            metadata={**(tags or {}), NONCE_KEY: nonce},
             deadline=time.monotonic() + window,
             tries=tries,
         )
@@ -120,10 +127,14 @@ def wait_and_settle(store: ObjectStore, nonce: str, until: float) -> Outcome:
     """Watch storage until ``until`` (``time.monotonic()``) for this save's ``.metadata``, then settle.
 
     For a rank whose coordinator can no longer tell it the outcome.  Reads
-    are HEADs, spaced by jittered backoff (0.5 s doubling to 8 s), so that
-    thousands of ranks settling at once, the moment a peer died, do not
-    stampede one key; it returns as soon as this save's ``.metadata`` shows.
+    are HEADs, the first after a random wait of up to a second, then spaced
+    by jittered backoff (0.5 s doubling to 8 s), so that thousands of ranks
+    settling at once, the moment a peer died, do not stampede one key
+    (4,095 ranks: about 4,100 HEADs in the first second, then fewer; S3
+    serves 5,500/s, see docs/scale.md).  It returns as soon as this save's
+    ``.metadata`` shows.
     """
+    time.sleep(random.uniform(0, min(1.0, max(0.0, until - time.monotonic()))))
     delay = 0.5
     while True:
         outcome = settle(store, nonce)

@@ -69,7 +69,8 @@ PLANS_KEY = "dcpstore/plans_v2"
 ALL_LOCAL_PLANS_KEY = "dcpstore/all_local_plans"  # version 1: full SavePlans; still read
 CHECKSUMS_KEY = "dcpstore/checksums"
 USER_PLANNER_DATA_KEY = "dcpstore/user_planner_data"
-RESERVED_KEYS = (PLANS_KEY, ALL_LOCAL_PLANS_KEY, CHECKSUMS_KEY, USER_PLANNER_DATA_KEY)
+COMMIT_KEY = "dcpstore/commit"  # a checkpointer's commit sequence and parent step (see steps)
+RESERVED_KEYS = (PLANS_KEY, ALL_LOCAL_PLANS_KEY, CHECKSUMS_KEY, USER_PLANNER_DATA_KEY, COMMIT_KEY)
 PLANS_VERSION = 2
 
 # Attribute set on Metadata objects returned by ObjectStoreReader when the
@@ -359,3 +360,9 @@ def read_checksums(metadata: Metadata) -> dict[MetadataIndex, int]:
     """``MetadataIndex -> crc32`` of each stored item; empty for other tools' checkpoints."""
     checksums = _extras(metadata).get(CHECKSUMS_KEY)
     return checksums if isinstance(checksums, dict) else {}
+
+
+def read_commit(metadata: Metadata) -> dict[str, Any] | None:
+    """The commit record (``{"sequence": int, "parent": int | None}``) an ``AsyncCheckpointer`` stored, or ``None``."""
+    record = _extras(metadata).get(COMMIT_KEY)
+    return record if isinstance(record, dict) else None

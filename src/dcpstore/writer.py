@@ -238,6 +238,13 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
             are deleted only after the new ``.metadata`` is committed, so a
             failed overwrite loses nothing.
         objects_per_rank: shard objects per rank, uploaded concurrently.
+        key_spread: place shard objects under this many hashed sub-prefixes
+            of the checkpoint (``3f/__0_....distcp``), spread evenly over the
+            key space, so that S3 can split the partition a save throttles
+            and the client paces each sub-prefix on its own (see
+            ``storage.throttle``).  1 (the default): directly under it.
+            ``storage_data`` records the relative paths, so torch's own
+            readers load such checkpoints too.
         transfer: part size, concurrency, timeouts and retries.
         commit_window: seconds the ``.metadata`` PUT may keep trying
             (throttled, or failing) before the commit is settled by reading
@@ -255,6 +262,7 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         storage_options: dict[str, Any] | None = None,
         overwrite: bool = False,
         objects_per_rank: int = 4,
+        key_spread: int = 1,
         transfer: TransferConfig | None = None,
         checksums: bool = True,
         commit_window: float = 60.0,
@@ -263,11 +271,14 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         super().__init__()
         if objects_per_rank < 1:
             raise ValueError("objects_per_rank must be >= 1")
+        if not 1 <= key_spread <= 256:
+            raise ValueError("key_spread must be between 1 and 256")
         self.transforms = _StorageWriterTransforms(_extensions)
         self.storage_options = dict(storage_options or {})
         self.transfer = transfer or TransferConfig()
         self.overwrite = overwrite
         self.objects_per_rank = objects_per_rank
+        self.key_spread = key_spread
         self.checksums = checksums
         self.commit_window = commit_window
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -299,6 +310,9 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         self._plans_missing: str | None = None  # why they are unknown
         self._plans_from_planner = False
         self._replaced: _Replaced | None = None
+        # What an AsyncCheckpointer's commit records (see steps.CommitRecord): user metadata and planner_data.
+        self.commit_tags: dict[str, str] = {}
+        self.commit_record: dict[str, Any] | None = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -382,9 +396,10 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         # prefix; only the rank part of it is used.
         prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{self.rank}_"
         generation = uuid.uuid4().hex[:16]
-        self.store.share_write_rate(dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1)
         buckets = [b for b in _split_by_size_and_type(self.objects_per_rank, list(plan.items)) if b]
-        names = [f"{prefix}{generation}_{n}{DEFAULT_SUFFIX}" for n in range(len(buckets))]
+        names = [self._spread(f"{prefix}{generation}_{n}{DEFAULT_SUFFIX}") for n in range(len(buckets))]
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.store.share_write_rate(world_size * len({name.rpartition("/")[0] for name in names}))
 
         def upload(name: str, items: list[WriteItem]) -> list[ChecksummedWriteResult]:
             with self.store.open_writer(name) as stream:
@@ -411,6 +426,13 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         out.set_result(results)
         return out
 
+    def _spread(self, name: str) -> str:
+        """``name`` under its hashed sub-prefix: ``key_spread`` two-hex-digit names spread evenly over 00-ff."""
+        if self.key_spread == 1:
+            return name
+        slot = zlib.crc32(name.encode()) % self.key_spread
+        return f"{slot * 256 // self.key_spread:02x}/{name}"
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         storage_data = {}
         checksums = {}
@@ -422,6 +444,8 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         extras: dict[str, Any] = {}
         if checksums:
             extras[planner_data.CHECKSUMS_KEY] = checksums
+        if self.commit_record is not None:
+            extras[planner_data.COMMIT_KEY] = self.commit_record
         extras.update(self._plans_extras(metadata, results))
         # Mutated in place, as torch's writers do: dcp.save returns this object.
         metadata.version = CURRENT_DCP_VERSION
@@ -484,6 +508,7 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         outcome, error = write_metadata(
             self.store, raw_metadata, self.save_id,
             replaced_etag=replaced.etag if replaced is not None else None, window=self.commit_window,
+            tags=self.commit_tags,
         )
         if outcome is Outcome.COMMITTED:
             if error is not None:
@@ -529,8 +554,10 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         return is_store_url(checkpoint_id)
 
     def close(self) -> None:
-        """Stop the upload threads and release the store (its pools go with the last store on them)."""
+        """Stop the upload threads, finish failed aborts, and release the store (its pools go with the last store on them)."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self._store is not None:
+            self._store.settle_aborts()
         self.release_store()

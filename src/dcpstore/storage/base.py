@@ -86,6 +86,8 @@ class ObjectStore:
     #: Whether the first component of a path names a bucket, which then
     #: scopes the connection (see ``open_store``).
     has_buckets = False
+    #: Whether ``put(metadata=...)`` is stored and ``head`` returns it.
+    has_user_metadata = False
 
     def __init__(self, url: str, root: str, connection: Connection):
         """A store at ``url`` (``root`` on the filesystem); takes over a lease the caller holds on ``connection``."""
@@ -121,7 +123,7 @@ class ObjectStore:
         self._lease()
 
     def share_write_rate(self, writers: int) -> None:
-        """This process is one of ``writers`` writing at once (paces S3 requests; nothing here)."""
+        """Start at a share of a key range's write rate: one of ``writers`` pacers writing at once (S3; nothing here)."""
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         if not self._lease.alive:
@@ -256,6 +258,13 @@ class ObjectStore:
     def abort_upload(self, key: str, upload_id: str) -> None:
         """Abort one multipart upload; only object stores have them."""
         raise NotImplementedError
+
+    def settle_aborts(self) -> None:
+        """Finish the aborts of this store's uploads that failed during a save; warn of any left open.
+
+        Object stores only: ``ObjectStoreWriter.close`` calls it, so no
+        upload stays open behind a clean ``close()`` without a warning.
+        """
 
     def open_writer(self, key: str) -> "ObjectWriter":
         """A write-only stream; the object appears when ``close()`` returns."""

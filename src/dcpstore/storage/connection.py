@@ -41,6 +41,9 @@ class Connection:
         self._lock = threading.RLock()
         self._leases = 0
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        # Multipart uploads whose abort failed, still being aborted in the
+        # background: (store, key, upload id, future); see S3ObjectStore.abort_later.
+        self.unaborted: set[tuple] = set()
         self.closed = False
 
     def lease(self) -> bool:

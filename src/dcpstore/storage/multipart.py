@@ -233,5 +233,6 @@ class MultipartObjectWriter(ObjectWriter):
         if self._upload_id is not None:
             try:
                 self._store.abort_upload(self._key, self._upload_id)
-            except Exception as e:  # noqa: BLE001
-                logger.warning("could not abort multipart upload of %s: %s", self._store.url_for(self._key), e)
+            except Exception as e:  # noqa: BLE001 - tried again in the background, and at close
+                logger.info("could not abort multipart upload of %s yet: %s", self._store.url_for(self._key), e)
+                self._store.abort_later(self._key, self._upload_id)

@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import random
 import threading
 import time
 from typing import Any, Iterable
@@ -42,6 +43,7 @@ from .translate import gave_up, is_throttle, throttled_out
 logger = logging.getLogger(__name__)
 
 S3_SCHEMES = ("s3", "s3a")
+ABORT_ROUNDS = 5  # background rounds of a failed abort, each under the retry policy, max_backoff apart
 
 # Requests S3 counts against a key range's write rate; the rest are reads.
 _WRITES = frozenset(
@@ -88,6 +90,7 @@ class S3ObjectStore(ObjectStore):
     """The S3 store: parallel multipart uploads, ranged reads, one retry policy."""
 
     has_buckets = True
+    has_user_metadata = True
 
     @classmethod
     def connect(cls, url: str, storage_options: dict[str, Any], transfer: TransferConfig) -> tuple[Any, str]:
@@ -158,11 +161,17 @@ class S3ObjectStore(ObjectStore):
         against ``max_attempts``, which bounds every other retryable error.
         """
         rate = self._rate(key, method)
-        throttled_since, failures = None, 0
+        throttled_since, failures, last_error = None, 0, None
         for attempt in itertools.count():
+            sent_at = await rate.acquire()
+            if deadline is not None and last_error is not None and time.monotonic() >= deadline:
+                # The pace held this retry past the deadline: nothing is sent after it.
+                url = self.url_for(key)
+                if is_throttle(last_error):
+                    raise throttled_out(op, url, time.monotonic() - throttled_since, attempt, last_error) from last_error
+                raise gave_up(op, url, attempt, last_error) from last_error
             if tries is not None:
                 tries.count = attempt + 1
-            sent_at = await rate.acquire()
             try:
                 client = await self._s3()
                 if body is not None:
@@ -178,6 +187,7 @@ class S3ObjectStore(ObjectStore):
                 rate.succeeded()
                 return resp
             except Exception as e:  # noqa: BLE001 - classified below and by _retry_delay
+                last_error = e
                 if tries is not None and not isinstance(getattr(e, "response", None), dict):
                     tries.unanswered += 1
                 now = time.monotonic()
@@ -200,7 +210,7 @@ class S3ObjectStore(ObjectStore):
         return RATES.rate((id(self.fs), bucket), key_range(path), "write" if method in _WRITES else "read")
 
     def share_write_rate(self, writers: int) -> None:
-        """This process is one of ``writers`` writing at once: start at its share of a key range's rate."""
+        """Start at a share of a key range's rate: this process is one of ``writers`` (ranks x sub-prefixes) writing at once."""
         if self.transfer.prefix_write_rate is not None:
             bucket = self._split("")[0]
             RATES.share((id(self.fs), bucket), "write", self.transfer.prefix_write_rate / max(1, writers))
@@ -448,6 +458,43 @@ class S3ObjectStore(ObjectStore):
             await self._call("ABORT", key, "abort_multipart_upload", Bucket=bucket, Key=path, UploadId=upload_id)
         except ObjectNotFoundError:
             pass  # already completed or aborted
+
+    def abort_later(self, key: str, upload_id: str) -> None:
+        """Keep trying to abort an upload whose abort failed, in the background, past the save's own budget.
+
+        An upload left open costs storage until a lifecycle rule or ``gc``
+        removes it.  ``settle_aborts`` (at the owner's ``close``) waits for
+        these, tries once more, and names what still could not be aborted.
+        """
+        self._connection.unaborted.add((self, key, upload_id, self._submit(self._abort_persistently(key, upload_id))))
+
+    async def _abort_persistently(self, key: str, upload_id: str) -> None:
+        delay = self.transfer.retry.max_backoff
+        for _ in range(ABORT_ROUNDS):
+            await asyncio.sleep(random.uniform(delay / 2, delay))
+            try:
+                return await self._abort(key, upload_id)
+            except Exception as e:  # noqa: BLE001 - the next round, or settle_aborts, says so
+                error = e
+        raise error
+
+    def settle_aborts(self) -> None:
+        for entry in list(self._connection.unaborted):  # any store's: a checkpointer moves its writer's store every step
+            self._connection.unaborted.discard(entry)
+            owner, key, upload_id, background = entry
+            try:
+                background.result()
+                continue
+            except Exception:  # noqa: BLE001 - once more, now
+                pass
+            try:
+                self._run(owner._abort(key, upload_id))
+            except Exception as e:  # noqa: BLE001
+                logger.warning(
+                    "%s: multipart upload %s could not be aborted (%s); it holds storage until "
+                    "`dcpstore gc %s` (or a lifecycle rule) removes it",
+                    owner.url_for(key), upload_id, e, owner.url,
+                )
 
     def open_writer(self, key: str) -> ObjectWriter:
         return MultipartObjectWriter(self, key, self._connection.parts)
