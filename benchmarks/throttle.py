@@ -16,7 +16,11 @@ Each contender saves in two modes, one after the other, into a fresh prefix:
 - ``job``: N gloo ranks, one plain ``dcp.save`` (each rank writes its own
   tensors, as FSDP shards are): what a torchrun job does;
 - ``independent``: N processes, each its own ``dcp.save`` into its own
-  checkpoint under one root, no process group: the issue's first repro.
+  checkpoint under one root, no process group (so no rank knows the
+  others: dcpstore cannot start at a share, only adapt): the issue's first
+  repro.
+
+Writers start together (a barrier after start-up), as a job's ranks do.
 
 Reported per contender and mode: saves committed, write requests sent per
 request admitted (amplification: 1.0 means not one was throttled), admitted
@@ -75,19 +79,50 @@ def _writer(contender: str, url: str, rate: float):
     )
 
 
-def _save_one(rank, world_size, contender, url, mib, rate, endpoint, independent):
-    """One writer's save; ``(committed, seconds, error)``."""
+def _save_one(rank, contender, url, mib, rate, endpoint, start):
+    """One writer's save; ``(committed, seconds, error)``.  ``start()`` returns once every writer is ready."""
     os.environ["AWS_ENDPOINT_URL"] = endpoint
+    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    if independent:
-        url = f"{url}/w{rank}"
+    distributed = dist.is_initialized()
+    state = _state(rank, mib)
+    writer = _writer(contender, url if distributed else f"{url}/w{rank}", rate)
+    start()  # every writer starts at once, as a job's ranks do, whatever their start-up took
     t0 = time.monotonic()
     try:
-        dcp.save(_state(rank, mib), storage_writer=_writer(contender, url, rate), no_dist=independent)
+        dcp.save(state, storage_writer=writer, no_dist=not distributed)
         return True, time.monotonic() - t0, None
     except BaseException as e:  # noqa: BLE001 - CheckpointException is one; recorded, not raised
         return False, time.monotonic() - t0, f"{type(e).__name__}: {str(e)[-300:]}"
+
+
+def _job_rank(rank, world_size, *args):
+    import torch.distributed as dist
+
+    return _save_one(rank, *args, start=dist.barrier)
+
+
+def _independent_writer(rank, args, barrier, results):
+    results.put((rank, _save_one(rank, *args, start=barrier.wait)))
+
+
+def _run_independent(writers: int, args: tuple, timeout: float) -> dict:
+    """``writers`` processes with no process group (none knows the others), started together."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(writers), ctx.Queue()
+    procs = [ctx.Process(target=_independent_writer, args=(r, args, barrier, results)) for r in range(writers)]
+    for p in procs:
+        p.start()
+    try:
+        return dict(results.get(timeout=timeout) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
 
 
 def _p99(values: list[float]) -> float:
@@ -99,10 +134,11 @@ def measure(contender: str, mode: str, args, proxy: FaultProxy, s3) -> dict:
     bucket = f"throttle-{uuid.uuid4().hex[:10]}"
     s3.create_bucket(Bucket=bucket)
     model = proxy.throttle = ThrottleModel(rate=args.rate, burst=args.rate, split_after=args.split_after)
-    results = run_ranks(
-        _save_one, args.writers, contender, f"s3://{bucket}/root", args.mib, args.rate, proxy.endpoint,
-        mode == "independent", timeout=args.timeout,
-    )
+    save_args = (contender, f"s3://{bucket}/root", args.mib, args.rate, proxy.endpoint)
+    if mode == "job":
+        results = run_ranks(_job_rank, args.writers, *save_args, timeout=args.timeout)
+    else:
+        results = _run_independent(args.writers, save_args, args.timeout)
     proxy.throttle = None
     saves = [r for r in results.values()]
     end = model.last or model.started or time.monotonic()

@@ -72,8 +72,9 @@ def test_resume_reuses_persisted_plans_and_falls_back_on_change(world_size, buck
 
     proxy.clear()
     results = run_ranks(checkpointer_resume, world_size, root, False, proxy.endpoint)
-    # One GET of the resumed step's .metadata for the whole job, broadcast to the ranks.
-    assert [m for m, path in proxy.requests if path.split("?")[0].endswith("step_00000030/.metadata")] == ["GET"]
+    # One GET of the resumed step's .metadata for the whole job, broadcast to the ranks,
+    # after the coordinator's one HEAD of it that reads the commit order (see steps).
+    assert [m for m, path in proxy.requests if path.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "GET"]
     for step, loaded, counts, reused, expected, reloaded in results.values():
         assert step == 30
         assert_same(loaded, final)  # resumed bit-exact from the latest step

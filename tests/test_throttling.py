@@ -142,3 +142,21 @@ def test_key_spread_places_shards_under_hashed_sub_prefixes_that_stock_readers_l
         out = {k: torch.zeros_like(v) for k, v in sd.items()}
         dcp.load(out, storage_reader=reader, no_dist=True)
         assert all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def test_a_save_has_one_throttling_budget_not_one_per_request(bucket, proxy):
+    """Every write of the save is throttled: the save fails once its one budget is spent, naming an object."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    proxy.add("PUT", r"/one-budget/", status=503, code="SlowDown")
+    budget = 3.0
+    transfer = TransferConfig(retry=RetryPolicy(initial_backoff=0.01, throttle_budget=budget))
+    writer = dcpstore.ObjectStoreWriter(
+        f"s3://{bucket}/one-budget", storage_options={"endpoint_url": proxy.endpoint}, transfer=transfer, objects_per_rank=4
+    )
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointException) as e:
+        dcp.save({f"t{i}": torch.ones(10) for i in range(4)}, storage_writer=writer, no_dist=True)
+    writer.close()
+    assert "was throttled for" in str(e.value) and f"s3://{bucket}/one-budget/" in str(e.value)
+    assert time.monotonic() - t0 < (budget + 10) * deadline_scale()

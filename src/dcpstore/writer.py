@@ -48,6 +48,7 @@ import logging
 import os
 import pickle
 import threading
+import time
 import uuid
 import weakref
 import zlib
@@ -400,6 +401,8 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         names = [self._spread(f"{prefix}{generation}_{n}{DEFAULT_SUFFIX}") for n in range(len(buckets))]
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.store.share_write_rate(world_size * len({name.rpartition("/")[0] for name in names}))
+        # One budget for the save's throttling, shards and .metadata alike (see RetryPolicy).
+        self.store.save_deadline = time.monotonic() + self.transfer.retry.throttle_budget
 
         def upload(name: str, items: list[WriteItem]) -> list[ChecksummedWriteResult]:
             with self.store.open_writer(name) as stream:

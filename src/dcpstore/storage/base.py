@@ -97,6 +97,10 @@ class ObjectStore:
         self.transfer = connection.transfer
         self._connection = connection
         self._lease = weakref.finalize(self, connection.release)
+        # When set (``time.monotonic()``), no throttled request of this store
+        # is retried past it: a save's one budget for throttling, set by
+        # ``ObjectStoreWriter.write_data``, not a budget per request.
+        self.save_deadline: float | None = None
 
     @classmethod
     def connect(cls, url: str, storage_options: dict[str, Any], transfer) -> tuple[Any, str]:

@@ -21,8 +21,11 @@ class RetryPolicy:
     for as long as the load on it lasts, so a throttled request is not a
     failed one.  It slows the key range's request rate (``throttle``) and
     keeps trying for up to ``throttle_budget`` seconds from its first
-    throttled answer; only then does it raise ``ThrottledError``, naming
-    the object and how long it was throttled.
+    throttled answer, and within one save for no longer than
+    ``throttle_budget`` from the start of the save's upload (one budget for
+    the save's shards and its ``.metadata``, not one per request); only
+    then does it raise ``ThrottledError``, naming the object and how long
+    it was throttled.
     """
 
     max_attempts: int = 5

@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import math
 import random
 import threading
 import time
@@ -157,19 +158,23 @@ class S3ObjectStore(ObjectStore):
 
         Every attempt first waits for a send slot of its key range's rate
         (``throttle``).  A throttled answer lowers that rate and is retried
-        for up to ``RetryPolicy.throttle_budget`` seconds, not counted
-        against ``max_attempts``, which bounds every other retryable error.
+        for up to ``RetryPolicy.throttle_budget`` seconds, and not past the
+        store's ``save_deadline``, not counted against ``max_attempts``,
+        which bounds every other retryable error.
         """
         rate = self._rate(key, method)
         throttled_since, failures, last_error = None, 0, None
         for attempt in itertools.count():
             sent_at = await rate.acquire()
-            if deadline is not None and last_error is not None and time.monotonic() >= deadline:
-                # The pace held this retry past the deadline: nothing is sent after it.
-                url = self.url_for(key)
-                if is_throttle(last_error):
-                    raise throttled_out(op, url, time.monotonic() - throttled_since, attempt, last_error) from last_error
-                raise gave_up(op, url, attempt, last_error) from last_error
+            if last_error is not None:
+                throttled = is_throttle(last_error)
+                stop_at = min(deadline or math.inf, (self.save_deadline or math.inf) if throttled else math.inf)
+                if time.monotonic() >= stop_at:
+                    # The pace held this retry past the deadline: nothing is sent after it.
+                    url = self.url_for(key)
+                    if throttled:
+                        raise throttled_out(op, url, time.monotonic() - throttled_since, attempt, last_error) from last_error
+                    raise gave_up(op, url, attempt, last_error) from last_error
             if tries is not None:
                 tries.count = attempt + 1
             try:
@@ -195,7 +200,12 @@ class S3ObjectStore(ObjectStore):
                     # Paced by the key range's lowered rate, not by a backoff of its own.
                     rate.throttled(sent_at)
                     throttled_since = sent_at if throttled_since is None else throttled_since
-                    if now - throttled_since >= self.transfer.retry.throttle_budget or (deadline and now >= deadline):
+                    budget_end = min(
+                        throttled_since + self.transfer.retry.throttle_budget,
+                        self.save_deadline or math.inf,
+                        deadline or math.inf,
+                    )
+                    if now >= budget_end:
                         raise throttled_out(op, self.url_for(key), now - throttled_since, attempt + 1, e) from e
                     continue
                 delay = self._retry_delay(op, key, failures, e)
