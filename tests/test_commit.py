@@ -37,6 +37,7 @@ def _save_via(proxy, bucket, **writer):
     return sd
 
 
+@pytest.mark.also_rgw(then="throttled")
 @pytest.mark.parametrize("then", ["throttled", "timeout"])
 def test_a_commit_whose_answer_is_lost_is_committed(bucket, s3, proxy, then):
     """The PUT lands, its answer is lost; the retries are throttled (or stall) until the window closes."""

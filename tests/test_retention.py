@@ -27,7 +27,7 @@ def _loaded(ckpt, step=None):
 
 
 @pytest.fixture(params=["s3", "file"])
-def root(request, tmp_path):
+def root(request, tmp_path, s3_server):
     if request.param == "file":
         return f"file://{tmp_path}/run"  # commit records from planner_data: no user metadata there
     return f"s3://{request.getfixturevalue('bucket')}/run"
@@ -45,6 +45,7 @@ def test_the_step_just_committed_is_never_pruned(root, caplog):
     assert "saving step 250 below the highest committed step 300" in caplog.text
 
 
+@pytest.mark.also_rgw(root="s3")
 def test_a_rollback_keeps_its_point_and_drops_the_abandoned_step(root):
     """keep_last=2: 200, 300, roll back to 200 (a loss spike), save 250: keep 200 and 250, resume 250."""
     with dcpstore.AsyncCheckpointer(root, keep_last=2) as ckpt:
