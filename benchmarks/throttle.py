@@ -1,6 +1,6 @@
 """Saves under sustained S3 throttling: N writers against a modelled partition, every contender in one run.
 
-    python -m benchmarks.throttle                       # 8 writers, 8 writes/s, no splits
+    python -m benchmarks.throttle                       # 8 writers x 48 MiB, 4 writes/s, no splits
     python -m benchmarks.throttle --split-after 3       # partitions split after 3 s of sustained throttling
 
 S3 admits about 3,500 writes/s per partition of a bucket's key space and
@@ -56,7 +56,7 @@ def _state(rank: int, mib: int):
     import torch
 
     g = torch.Generator().manual_seed(rank)
-    n = mib * MiB // 8
+    n = mib * MiB // 4  # float32
     return {f"r{rank}_a": torch.randn(n, generator=g), f"r{rank}_b": torch.randn(n, generator=g)}
 
 
@@ -64,7 +64,7 @@ def _writer(contender: str, url: str, rate: float):
     if contender.startswith("dcpstore"):
         import dcpstore
 
-        transfer = dcpstore.TransferConfig(part_size=5 * MiB, max_concurrency=4, prefix_write_rate=rate)
+        transfer = dcpstore.TransferConfig(max_concurrency=4, prefix_write_rate=rate)
         spread = 4 if "key_spread" in contender else 1
         return dcpstore.ObjectStoreWriter(url, transfer=transfer, objects_per_rank=2, key_spread=spread)
     if contender == "torch FsspecWriter (s3fs)":
@@ -136,7 +136,7 @@ def measure(contender: str, mode: str, args, proxy: FaultProxy, s3) -> dict:
     model = proxy.throttle = ThrottleModel(rate=args.rate, burst=args.rate, split_after=args.split_after)
     save_args = (contender, f"s3://{bucket}/root", args.mib, args.rate, proxy.endpoint)
     if mode == "job":
-        results = run_ranks(_job_rank, args.writers, *save_args, timeout=args.timeout)
+        results = run_ranks(_job_rank, args.writers, *save_args, timeout=args.timeout, collective_timeout=args.timeout)
     else:
         results = _run_independent(args.writers, save_args, args.timeout)
     proxy.throttle = None
@@ -191,10 +191,11 @@ def plot(results: dict, path: str) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--writers", type=int, default=8)
-    parser.add_argument("--mib", type=int, default=6, help="MiB per tensor; each writer saves two")
-    parser.add_argument("--rate", type=float, default=8.0, help="writes/s one modelled partition admits")
+    parser.add_argument("--mib", type=int, default=24, help="MiB per tensor; each writer saves two")
+    parser.add_argument("--rate", type=float, default=4.0, help="writes/s one modelled partition admits")
     parser.add_argument("--split-after", type=float, default=None, help="seconds of sustained throttling before a partition splits")
     parser.add_argument("--modes", default="job,independent")
+    parser.add_argument("--only", default=None, help="run only contenders whose name contains this")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--no-s3torchconnector", action="store_true")
     parser.add_argument("--out", default="benchmarks/out")
@@ -209,6 +210,8 @@ def main(argv=None) -> int:
             contenders.append("s3torchconnector")
         except ImportError:
             print("s3torchconnector not installed: skipped (pip install s3torchconnector)")
+    if args.only:
+        contenders = [c for c in contenders if args.only in c]
     server = MotoServer()
     proxy = FaultProxy(server.endpoint)
     s3 = boto3.client("s3", endpoint_url=server.endpoint)

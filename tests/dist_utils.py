@@ -11,7 +11,7 @@ import tempfile
 import traceback
 
 
-def _entry(fn, rank, world_size, init_file, results, args):
+def _entry(fn, rank, world_size, init_file, results, args, collective_timeout):
     import torch.distributed as dist
 
     try:
@@ -20,7 +20,7 @@ def _entry(fn, rank, world_size, init_file, results, args):
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
+            timeout=datetime.timedelta(seconds=collective_timeout),
         )
         out = fn(rank, world_size, *args)
         # Plain pickle: tensors travel by value, not as shared-memory handles
@@ -44,7 +44,9 @@ def deadline_scale() -> float:
     return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 180, expect_killed: tuple[int, ...] = ()):
+def run_ranks(
+    fn, world_size: int, *args, timeout: float = 180, expect_killed: tuple[int, ...] = (), collective_timeout: float = 60
+):
     """``fn(rank, world_size, *args)`` on every rank; returns ``{rank: result}``.
 
     A rank whose ``fn`` raises fails the call with its traceback; ranks in
@@ -57,7 +59,10 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 180, expect_killed: t
     fd, init_file = tempfile.mkstemp(prefix="gloo-")
     os.close(fd)
     os.unlink(init_file)
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, init_file, results, args)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, init_file, results, args, collective_timeout))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     out: dict[int, object] = {}
