@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", default=None, help="run only contenders whose name contains this")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--no-s3torchconnector", action="store_true")
-    parser.add_argument("--out", default="benchmarks/out")
+    parser.add_argument("--out", default="bench-out")
     args = parser.parse_args(argv)
     for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
         os.environ.setdefault(k, v)
