@@ -34,12 +34,16 @@ import enum
 import random
 import time
 
+from . import planner_data
 from .errors import ConditionalWriteError, DcpstoreError, ObjectNotFoundError
 from .layout import METADATA_KEY
 from .reader import parse_metadata
 from .storage import ObjectStore, Tries
 
-NONCE_KEY = "dcpstore-save"  # user metadata of .metadata: the nonce of the save that wrote it
+# What a commit tags .metadata with, as user metadata (x-amz-meta-*):
+NONCE_KEY = "dcpstore-save"  # the nonce of the save that wrote it (= StorageMeta.save_id)
+SEQUENCE_KEY = "dcpstore-seq"  # a checkpointer's commit sequence (see steps)
+PARENT_KEY = "dcpstore-parent"  # the step that commit continued from (see steps)
 
 
 class Outcome(enum.Enum):
@@ -104,23 +108,39 @@ def settle(store: ObjectStore, nonce: str, replaced_etag: str | None = None) -> 
         return Outcome.FAILED
     except Exception:  # noqa: BLE001 - storage could not be read: nobody can know yet
         return Outcome.UNKNOWN
-    stored, etag = head.metadata.get(NONCE_KEY), head.etag
-    if stored is None:  # a store without user metadata, or a .metadata another tool wrote
+    tags, etag = head.metadata, head.etag
+    if NONCE_KEY not in tags:  # a store without user metadata, or a .metadata another tool wrote
         try:
-            raw, etag = store.get_with_etag(METADATA_KEY)
-            meta = parse_metadata(raw, store.url_for(METADATA_KEY))
-            stored = getattr(meta.storage_meta, "save_id", None)
+            tags, etag = tags_in_object(store)
         except ObjectNotFoundError:
             return Outcome.FAILED
         except DcpstoreError:
-            stored = None  # not a .metadata this save could have written
+            tags = {}  # not a .metadata this save could have written
         except Exception:  # noqa: BLE001
             return Outcome.UNKNOWN
-    if stored == nonce:
+    if tags.get(NONCE_KEY) == nonce:
         return Outcome.COMMITTED
     if replaced_etag is not None and etag is not None and etag.strip('"') == replaced_etag.strip('"'):
         return Outcome.FAILED  # still the checkpoint this save would have replaced
     return Outcome.REFUSED
+
+
+def tags_in_object(store: ObjectStore) -> tuple[dict[str, str], str | None]:
+    """The tags a commit puts on ``.metadata``, read from the object itself, and its ETag.
+
+    For a store that keeps no user metadata (or a HEAD that shows none):
+    the nonce is ``StorageMeta.save_id``, the sequence and parent are in
+    ``planner_data["dcpstore/commit"]``.  A GET and a parse, not a HEAD.
+    """
+    raw, etag = store.get_with_etag(METADATA_KEY)
+    metadata = parse_metadata(raw, store.url_for(METADATA_KEY))
+    record = planner_data.read_commit(metadata) or {}
+    values = {
+        NONCE_KEY: getattr(metadata.storage_meta, "save_id", None),
+        SEQUENCE_KEY: record.get("sequence"),
+        PARENT_KEY: record.get("parent"),
+    }
+    return {k: str(v) for k, v in values.items() if v is not None}, etag
 
 
 def wait_and_settle(store: ObjectStore, nonce: str, until: float) -> Outcome:

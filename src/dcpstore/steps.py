@@ -29,13 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from . import planner_data
+from .commit import PARENT_KEY, SEQUENCE_KEY, tags_in_object
 from .layout import METADATA_KEY, step_prefix
-from .reader import parse_metadata
 from .storage import ObjectStore
-
-SEQUENCE_KEY = "dcpstore-seq"
-PARENT_KEY = "dcpstore-parent"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +83,7 @@ class CommitOrder:
         try:
             tags = child.head(METADATA_KEY).metadata
             if SEQUENCE_KEY not in tags and not child.has_user_metadata:
-                raw = child.get(METADATA_KEY)
-                record = planner_data.read_commit(parse_metadata(raw, child.url_for(METADATA_KEY))) or {}
-                tags = {SEQUENCE_KEY: record.get("sequence"), PARENT_KEY: record.get("parent")}
+                tags = tags_in_object(child)[0]
         finally:
             child.close()
         return CommitRecord(step, _int(tags.get(SEQUENCE_KEY)), _int(tags.get(PARENT_KEY)))
