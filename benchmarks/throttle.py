@@ -17,8 +17,9 @@ Each contender saves in two modes, one after the other, into a fresh prefix:
   tensors, as FSDP shards are): what a torchrun job does;
 - ``independent``: N processes, each its own ``dcp.save`` into its own
   checkpoint under one root, no process group (so no rank knows the
-  others: dcpstore cannot start at a share, only adapt): the issue's first
-  repro.
+  others: each dcpstore writer starts at the whole ``prefix_write_rate``
+  and adapts): the issue's first repro.  The row ``prefix_write_rate=rate/N``
+  is what a user who knows there are N such writers configures.
 
 Writers start together (a barrier after start-up), as a job's ranks do.
 
@@ -50,6 +51,7 @@ from dist_utils import run_ranks  # noqa: E402
 from s3server import FaultProxy, MotoServer, ThrottleModel  # noqa: E402
 
 MiB = 1 << 20
+TOLD = "prefix_write_rate=rate/N"
 
 
 def _state(rank: int, mib: int):
@@ -60,10 +62,12 @@ def _state(rank: int, mib: int):
     return {f"r{rank}_a": torch.randn(n, generator=g), f"r{rank}_b": torch.randn(n, generator=g)}
 
 
-def _writer(contender: str, url: str, rate: float):
+def _writer(contender: str, url: str, rate: float, writers: int):
     if contender.startswith("dcpstore"):
         import dcpstore
 
+        if TOLD in contender:
+            rate /= writers  # what a user who knows there are N writers configures (no process group to agree it)
         transfer = dcpstore.TransferConfig(max_concurrency=4, prefix_write_rate=rate)
         spread = 4 if "key_spread" in contender else 1
         return dcpstore.ObjectStoreWriter(url, transfer=transfer, objects_per_rank=2, key_spread=spread)
@@ -79,7 +83,7 @@ def _writer(contender: str, url: str, rate: float):
     )
 
 
-def _save_one(rank, contender, url, mib, rate, endpoint, start):
+def _save_one(rank, contender, url, mib, rate, writers, endpoint, start):
     """One writer's save; ``(committed, seconds, error)``.  ``start()`` returns once every writer is ready."""
     os.environ["AWS_ENDPOINT_URL"] = endpoint
     import torch.distributed as dist
@@ -87,7 +91,7 @@ def _save_one(rank, contender, url, mib, rate, endpoint, start):
 
     distributed = dist.is_initialized()
     state = _state(rank, mib)
-    writer = _writer(contender, url if distributed else f"{url}/w{rank}", rate)
+    writer = _writer(contender, url if distributed else f"{url}/w{rank}", rate, writers)
     start()  # every writer starts at once, as a job's ranks do, whatever their start-up took
     t0 = time.monotonic()
     try:
@@ -134,7 +138,7 @@ def measure(contender: str, mode: str, args, proxy: FaultProxy, s3) -> dict:
     bucket = f"throttle-{uuid.uuid4().hex[:10]}"
     s3.create_bucket(Bucket=bucket)
     model = proxy.throttle = ThrottleModel(rate=args.rate, burst=args.rate, split_after=args.split_after)
-    save_args = (contender, f"s3://{bucket}/root", args.mib, args.rate, proxy.endpoint)
+    save_args = (contender, f"s3://{bucket}/root", args.mib, args.rate, args.writers, proxy.endpoint)
     if mode == "job":
         results = run_ranks(_job_rank, args.writers, *save_args, timeout=args.timeout, collective_timeout=args.timeout)
     else:
@@ -202,7 +206,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
         os.environ.setdefault(k, v)
-    contenders = ["dcpstore ObjectStoreWriter", "dcpstore ObjectStoreWriter key_spread=4", "torch FsspecWriter (s3fs)"]
+    contenders = [
+        "dcpstore ObjectStoreWriter",
+        "dcpstore ObjectStoreWriter key_spread=4",
+        f"dcpstore ObjectStoreWriter {TOLD}",
+        "torch FsspecWriter (s3fs)",
+    ]
     if not args.no_s3torchconnector:
         try:
             import s3torchconnector.dcp  # noqa: F401
@@ -231,6 +240,8 @@ def main(argv=None) -> int:
     try:
         for contender in contenders:
             for mode in args.modes.split(","):
+                if TOLD in contender and mode != "independent":
+                    continue  # a job agrees on its share itself
                 try:
                     r = measure(contender, mode, args, proxy, s3)
                 except Exception as e:  # noqa: BLE001 - a contender that cannot run is recorded

@@ -12,6 +12,7 @@ partition of the key space, with 503 SlowDown for the excess.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import http.client
 import http.server
@@ -56,8 +57,8 @@ class _Partition:
     tokens: float
     refilled: float
     born: float = 0.0  # when it came to be (its share of the modelled capacity starts then)
-    hot_since: float | None = None  # when its current run of throttling began
-    last_throttle: float = 0.0
+    hot_since: float | None = None  # when its current run of load near its rate began
+    recent: collections.deque = dataclasses.field(default_factory=collections.deque)  # request times, last HOT_WINDOW s
     keys: list = dataclasses.field(default_factory=list)  # keys asked for while hot (split point)
 
 
@@ -66,10 +67,11 @@ class ThrottleModel:
 
     Partitions are ranges of ``bucket/key`` strings, as S3's are, not
     '/'-prefixes: keys under different folders share one partition until
-    it splits.  With ``split_after``, a partition throttled without a pause
-    of a second for that many seconds splits at the median key asked for
-    meanwhile, and each half gets the full rate (S3 splits a hot partition
-    after sustained load).  Requests whose method is not in ``methods``
+    it splits.  With ``split_after``, a partition asked for at least
+    ``HOT_LOAD`` of its rate (over ``HOT_WINDOW`` seconds, throttled or not)
+    for that many seconds splits at the median key asked for meanwhile, and
+    each half gets the full rate: S3 splits a partition after sustained
+    load, whether or not a client has pushed it into throttling.  Requests whose method is not in ``methods``
     pass unlimited.  ``sent``, ``admitted`` and ``throttled`` count the rest.
     """
 
@@ -81,6 +83,9 @@ class ThrottleModel:
         self.started = None  # time of the first request it saw
         self.first = self.last = None  # times of the first and last admitted request
 
+    HOT_WINDOW = 2.0
+    HOT_LOAD = 0.8
+
     def admit(self, method: str, path: str) -> bool:
         """Whether a request is admitted now (called under the proxy's lock)."""
         if method not in self.methods:
@@ -89,8 +94,8 @@ class ThrottleModel:
         now = time.monotonic()
         self.sent += 1
         self.started = self.started or now
-        i = bisect.bisect_right([p.low for p in self.partitions], key) - 1
-        part = self.partitions[i]
+        self._track_load(self._index(key), key, now)
+        part = self.partitions[self._index(key)]  # after a split, the half that holds the key
         part.tokens = min(self.burst, part.tokens + (now - part.refilled) * self.rate)
         part.refilled = now
         if part.tokens >= 1:
@@ -98,17 +103,27 @@ class ThrottleModel:
             self.admitted += 1
             self.first = self.first or now
             self.last = now
-            if part.hot_since is not None and now - part.last_throttle > 1.0:
-                part.hot_since, part.keys = None, []
             return True
         self.throttled += 1
-        if part.hot_since is None or now - part.last_throttle > 1.0:
-            part.hot_since, part.keys = now, []
-        part.last_throttle = now
+        return False
+
+    def _index(self, key: str) -> int:
+        return bisect.bisect_right([p.low for p in self.partitions], key) - 1
+
+    def _track_load(self, i: int, key: str, now: float) -> None:
+        """Count a request against partition ``i``'s load; split it once that load has lasted ``split_after``."""
+        part = self.partitions[i]
+        part.recent.append(now)
+        while part.recent[0] < now - self.HOT_WINDOW:
+            part.recent.popleft()
+        if len(part.recent) < self.HOT_LOAD * self.rate * self.HOT_WINDOW:
+            part.hot_since, part.keys = None, []
+            return
+        if part.hot_since is None:
+            part.hot_since = now
         part.keys.append(key)
         if self.split_after is not None and now - part.hot_since >= self.split_after:
             self._split(i, now)
-        return False
 
     def _split(self, i: int, now: float) -> None:
         part = self.partitions[i]
@@ -117,6 +132,7 @@ class ThrottleModel:
         if middle <= part.low:
             return  # one key alone: nothing to split
         part.hot_since, part.keys = None, []
+        part.recent.clear()
         self.partitions.insert(i + 1, _Partition(middle, self.burst, now, born=now))
 
     def allowed(self, start: float, end: float) -> float:

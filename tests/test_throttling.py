@@ -9,9 +9,11 @@ in ``benchmarks/throttle.py``, not asserted here: a busy 2-core box sets no
 floor a test can hold.
 """
 
+import asyncio
 import os
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from workers import rank_tensors, save_under_throttling
 
 import dcpstore
 from dcpstore.storage import RetryPolicy, TransferConfig, open_store
+from dcpstore.storage import throttle
 from dcpstore.storage.throttle import RATES
 
 MiB = 1 << 20
@@ -160,3 +163,38 @@ def test_a_save_has_one_throttling_budget_not_one_per_request(bucket, proxy):
     writer.close()
     assert "was throttled for" in str(e.value) and f"s3://{bucket}/one-budget/" in str(e.value)
     assert time.monotonic() - t0 < (budget + 10) * deadline_scale()
+
+
+def test_growth_probes_faster_the_longer_a_range_sends_unthrottled_and_idle_time_does_not_count(monkeypatch):
+    """A range S3 split (or that other writers left) is found out in seconds; a pause between saves is not probing."""
+    clock = [1000.0]
+    monkeypatch.setattr(throttle, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+
+    def send(rate, seconds_apart):
+        """One request ``seconds_apart`` after the last (never sooner than its slot): its send time."""
+        clock[0] += seconds_apart
+        return asyncio.run(rate.acquire())
+
+    rate = throttle.RequestRate(10.0)
+    rate.throttled(send(rate, 0.2))
+    cut = rate.rate
+    assert cut == pytest.approx(10.0 * throttle.RequestRate.BETA)
+
+    send(rate, 0.2)
+    before = rate.rate
+    rate.succeeded()
+    fresh = rate.rate / before - 1  # right after a cut: GROWTH per success
+    assert fresh == pytest.approx(throttle.RequestRate.GROWTH, rel=0.1)
+
+    for _ in range(100):  # 20 s of sending, unthrottled
+        send(rate, 0.2)
+    before = rate.rate
+    rate.succeeded()
+    probing = rate.rate / before - 1
+    assert probing > 10 * fresh  # 2 ** (20 / PROBE_DOUBLING) = 16 times
+
+    rate.throttled(send(rate, 0.2))
+    send(rate, 600.0)  # idle between two saves: not probing
+    before = rate.rate
+    rate.succeeded()
+    assert rate.rate / before - 1 < 2 * fresh

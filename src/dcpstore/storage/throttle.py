@@ -11,8 +11,8 @@ So every S3 request first takes a send slot from the ``RequestRate`` of its
 key range: reads and writes apart, shared by every store and thread of the
 process.  A throttled answer cuts the rate by ``BETA`` (once per round of
 requests: answers to requests sent before the cut do not cut again), every
-success raises it by ``GROWTH`` of itself, as TCP's congestion control
-probes for capacity.  botocore's adaptive retry mode does the same per client with a
+success raises it by ``GROWTH`` of itself, more the longer the range has
+gone unthrottled, as TCP's congestion control probes for capacity.  botocore's adaptive retry mode does the same per client with a
 cubic curve, but it paces a whole client (every bucket and key range
 alike) and only inside botocore's retry handler, which dcpstore turns off
 to keep one retry policy (see ``s3.client_config``).
@@ -49,12 +49,27 @@ TTL = 600.0  # seconds a key range's learned rate is kept unused
 class RequestRate:
     """The pace of one key range's reads or writes in this process (AIMD)."""
 
-    BETA = 0.7  # a throttled answer multiplies the rate by this
-    # Each success multiplies the rate by 1 + GROWTH.  A pacer hears back
-    # about once per 1/rate seconds, so between two answers it overshoots
-    # by GROWTH whatever its rate: W ranks at L/W each grow the job's rate
-    # by GROWTH x L/W per second (at 4,096 ranks on one partition, 1.7 %/s).
-    GROWTH = 0.02
+    # A throttled answer multiplies the rate by BETA, each success by
+    # 1 + GROWTH.  A gentle cut with slow regrowth, not TCP's halving: at a
+    # fair share of a few requests/s, a rank hears only a handful of answers
+    # per second, and which ranks' requests meet a full bucket is chance.  A
+    # deep cut leaves those unlucky ranks far below their share for the rest
+    # of the save (18 successes to undo a 0.7 cut), and the save then ends
+    # with a tail of slow ranks while the partition idles.  The pair sets the
+    # throttled fraction the rates settle at: GROWTH / (GROWTH + ln(1/BETA)),
+    # about 5 %.  A pacer hears back about once per 1/rate seconds, so between
+    # two answers it overshoots by GROWTH whatever its rate: W ranks at L/W
+    # each grow the job's rate by GROWTH x L/W per second (at 4,096 ranks on
+    # one partition, 0.5 %/s).
+    BETA = 0.9
+    GROWTH = 0.006
+    # Growth per success doubles with every PROBE_DOUBLING seconds of sending
+    # without a throttled answer (up to doubling the rate per success), as
+    # TCP CUBIC probes: a range that stays unthrottled (S3 split its
+    # partition, or the other writers finished) is found out within seconds,
+    # while ranks that are throttled every few seconds, as at a fair share
+    # under load, never get past a few percent per success.
+    PROBE_DOUBLING = 5.0
     FLOOR = 0.2  # requests/s a cut never goes below (unless the range started lower)
 
     def __init__(self, rate: float | None):
@@ -63,6 +78,7 @@ class RequestRate:
         self._base = rate
         self._next_slot = self._first_slot(rate)
         self._last_cut = -math.inf
+        self._probing = 0.0  # seconds of sending since the last throttled answer
         self._recent: collections.deque[float] = collections.deque(maxlen=8192)  # send times while unpaced
         self.last_used = time.monotonic()
 
@@ -75,6 +91,9 @@ class RequestRate:
         """Wait for this range's next send slot; returns the send time (for ``throttled``)."""
         with self._lock:
             now = time.monotonic()
+            # Idle time does not count as probing: a rate learned in one save
+            # starts the next where it was, not at a doubling per success.
+            self._probing += min(now - self.last_used, 1.0 + (1.0 / self.rate if self.rate else 0.0))
             self.last_used = now
             if self.rate is None:
                 self._recent.append(now)
@@ -88,7 +107,7 @@ class RequestRate:
     def succeeded(self) -> None:
         with self._lock:
             if self.rate is not None:
-                self.rate *= 1 + self.GROWTH
+                self.rate *= 1 + min(1.0, self.GROWTH * 2 ** (self._probing / self.PROBE_DOUBLING))
 
     def throttled(self, sent_at: float) -> None:
         """A request sent at ``sent_at`` was throttled: cut the rate, once per round."""
@@ -103,6 +122,7 @@ class RequestRate:
                 self.rate = self._base = max(1.0, float(sent))
             self.rate = max(min(self.FLOOR, self._base), self.rate * self.BETA)
             self._last_cut = now
+            self._probing = 0.0
             self._next_slot = max(self._next_slot, now + 1.0 / self.rate)
 
 
