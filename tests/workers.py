@@ -354,3 +354,23 @@ def checkpointer_coordinator_dies_at_commit(rank, world_size, root, transfer, co
     except dcpstore.CheckpointSaveError as e:
         outcome = f"{type(e).__name__}: {e}"
     return outcome, time.monotonic() - t0
+
+
+def checkpointer_resume_logged(rank, world_size, root, endpoint=None):
+    """``checkpointer_resume`` without a structure change, also returning the dcpstore warnings this rank logged."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(f"{record.levelname}: {record.getMessage()}")
+
+    handler = Keep(level=logging.INFO)
+    logger = logging.getLogger("dcpstore")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        return checkpointer_resume(rank, world_size, root, False, endpoint), records
+    finally:
+        logger.removeHandler(handler)

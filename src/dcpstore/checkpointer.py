@@ -53,8 +53,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 
+from . import planner_data, resume_index
 from .commit import Outcome, landing_margin, wait_and_settle
 from .errors import (
     CheckpointExistsError,
@@ -633,21 +636,42 @@ class AsyncCheckpointer:
         ``allow_globals`` and ``allow_unsafe_pickle``: see ``ObjectStoreReader``.
         """
         self.wait()
-        found = self._coll.broadcast(self._find_for_load(step) if self._coll.is_coordinator else None)
-        if isinstance(found, BaseException):
-            raise found
-        step, raw = found
-        url = self.step_url(step)
-        reader = ObjectStoreReader(
-            url,
-            storage_options=self.storage_options,
-            transfer=self.transfer,
-            allow_globals=allow_globals,
-            allow_unsafe_pickle=allow_unsafe_pickle,
-        )
+        coordinator = self._coll.is_coordinator
+        reader = metadata = raw = None
         try:
-            metadata = reader.use_metadata_bytes(raw)
+            # The coordinator GETs and parses .metadata; the others get the
+            # step and the resume index's directory (see resume_index).
+            shared: Any = self._find_for_load(step) if coordinator else None
+            if coordinator and not isinstance(shared, BaseException):
+                step, raw = shared
+                reader = self._reader(step, allow_globals, allow_unsafe_pickle)
+                try:
+                    metadata = reader.use_metadata_bytes(raw)
+                    directory = self._index_directory(metadata, self.step_url(step))
+                    shared = [
+                        (step, resume_index.rank_entry(directory, r) if directory is not None else None)
+                        for r in range(self.world_size)
+                    ]
+                except DcpstoreError as e:
+                    shared = e
+            # Each rank gets its own directory entry: a few hundred bytes, not W of them.
+            shared = self._coll.scatter(shared if isinstance(shared, list) or not coordinator else [shared] * self.world_size)
+            if isinstance(shared, BaseException):
+                raise shared
+            step, directory = shared
+            url = self.step_url(step)
+            if reader is None:
+                reader = self._reader(step, allow_globals, allow_unsafe_pickle)
             flat_sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+            share = None
+            if directory is not None and not coordinator:
+                share = self._read_share(reader, directory, flat_sd, url)
+            if directory is None or not self._coll.all_min([int(coordinator or share is not None)])[0]:
+                raw = self._coll.broadcast(raw)  # one GET per job: see _find_for_load
+                if not coordinator:
+                    metadata = reader.use_metadata_bytes(raw)
+            elif share is not None:
+                metadata = reader.use_metadata(share.metadata)
             check_state_dict(flat_sd, metadata, url)
             with warnings.catch_warnings():
                 # dcp.load warns whenever no_dist is set; a single process is intended here.
@@ -655,10 +679,16 @@ class AsyncCheckpointer:
                 dcp.load(state_dict, storage_reader=reader, process_group=self._coll.group, no_dist=not self._coll.enabled)
         except CheckpointException as e:
             failures = {rank: wrapped[0] for rank, wrapped in e.failures.items()}
-            raise CheckpointLoadError(url, step, failures) from failures[min(failures)]
+            raise CheckpointLoadError(self.step_url(step), step, failures) from failures[min(failures)]
         finally:
-            reader.close()
+            if reader is not None:
+                reader.close()
         self._parent = step
+        if share is not None:
+            self.plan_cache.fill_from_share(
+                share.local_plan, share.final_plan, rank=self.rank, world_size=self.world_size, planner=self.planner_factory()
+            )
+            return step
         # The writer only assigns storage prefixes here; it sends no request.
         writer = ObjectStoreWriter(url, storage_options=self.storage_options, transfer=self.transfer)
         try:
@@ -668,6 +698,45 @@ class AsyncCheckpointer:
         finally:
             writer.close()
         return step
+
+    def _reader(self, step: int, allow_globals: tuple, allow_unsafe_pickle: bool) -> ObjectStoreReader:
+        return ObjectStoreReader(
+            self.step_url(step),
+            storage_options=self.storage_options,
+            transfer=self.transfer,
+            allow_globals=allow_globals,
+            allow_unsafe_pickle=allow_unsafe_pickle,
+        )
+
+    def _index_directory(self, metadata: Metadata, url: str) -> dict | None:
+        """On the coordinator: the resume index directory to broadcast, or ``None`` (every rank reads ``.metadata``)."""
+        if self.world_size == 1:
+            return None  # the coordinator alone: it has .metadata already
+        try:
+            return resume_index.directory(metadata, self.world_size)
+        except resume_index.IndexUnusable as e:
+            known = planner_data.read_index_directory(metadata) is not None
+            (logger.warning if known and "ranks, loaded by" not in str(e) else logger.info)(
+                "%s: not resuming from the resume index (%s); every rank reads .metadata", url, e
+            )
+            return None
+
+    def _read_share(self, reader: ObjectStoreReader, directory: dict, flat_sd: dict, url: str):
+        """This rank's share of the checkpoint from its index block (``directory``: its entry), or ``None`` (logged) to read ``.metadata``."""
+        try:
+            share = resume_index.share_metadata(resume_index.read_block(reader.store, directory), directory, url)
+        except resume_index.IndexUnusable as e:
+            logger.warning("%s: rank %d falls back to .metadata: %s", url, self.rank, e)
+            return None
+        except DcpstoreError as e:
+            logger.warning("%s: rank %d could not read its resume index block (%s); falls back to .metadata", url, self.rank, e)
+            return None
+        flat, _ = flatten_state_dict(_flatten_sharded_tensors(flat_sd))
+        why = resume_index.covers(share.metadata, flat)
+        if why is not None:
+            logger.info("%s: rank %d reads .metadata: %s", url, self.rank, why)
+            return None
+        return share
 
     def _find_for_load(self, step: int | None) -> tuple[int, bytes] | BaseException:
         """On the coordinator: the step to load and its ``.metadata`` bytes, or the error for every rank.

@@ -133,8 +133,9 @@ def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
     """Problems found in the checkpoint at ``store``'s root; empty when it is sound."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    from . import planner_data
     from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+
+    from . import planner_data, resume_index
 
     from .reader import read_metadata, undo_transforms
     from .safe_pickle import check_bytes_item
@@ -154,6 +155,7 @@ def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
                 f"{store.url_for(info.relative_path)}: truncated: {index.fqn!r} needs bytes up to "
                 f"{info.offset + info.length}, object has {sizes[info.relative_path]}"
             )
+    problems += resume_index.check(store, metadata, sizes, deep)
     if not deep or problems:
         return problems
     for index, info in (_progress(list(storage.items()), "verify", "item") if progress else storage.items()):

@@ -137,6 +137,24 @@ class PlanCache:
         )
         return True
 
+    def fill_from_share(
+        self, local: SavePlan | None, final: SavePlan | None, *, rank: int, world_size: int, planner: SavePlanner
+    ) -> bool:
+        """Prime a non-coordinator's cache from its share of the resume index: its own plans, nothing of the job's."""
+        if local is None or final is None or rank == 0 or not default_global_step(planner):
+            self.clear()
+            return False
+        self.store(
+            CachedPlan(
+                local_plan=local,
+                central_plan=dataclasses.replace(final, storage_data=_StoragePrefix(f"__{rank}_")),
+                world_size=world_size,
+                metadata=None,
+                all_local_plans=None,
+            )
+        )
+        return True
+
     @staticmethod
     def global_metadata(metadata: Metadata) -> Metadata:
         """The ``Metadata`` ``DefaultSavePlanner``'s global step gives for the checkpoint's plans.

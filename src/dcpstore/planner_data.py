@@ -70,7 +70,8 @@ ALL_LOCAL_PLANS_KEY = "dcpstore/all_local_plans"  # version 1: full SavePlans; s
 CHECKSUMS_KEY = "dcpstore/checksums"
 USER_PLANNER_DATA_KEY = "dcpstore/user_planner_data"
 COMMIT_KEY = "dcpstore/commit"  # a checkpointer's commit sequence and parent step (see steps)
-RESERVED_KEYS = (PLANS_KEY, ALL_LOCAL_PLANS_KEY, CHECKSUMS_KEY, USER_PLANNER_DATA_KEY, COMMIT_KEY)
+INDEX_KEY = "dcpstore/index"  # the resume index's directory (see resume_index)
+RESERVED_KEYS = (PLANS_KEY, ALL_LOCAL_PLANS_KEY, CHECKSUMS_KEY, USER_PLANNER_DATA_KEY, COMMIT_KEY, INDEX_KEY)
 PLANS_VERSION = 2
 
 # Attribute set on Metadata objects returned by ObjectStoreReader when the
@@ -281,36 +282,45 @@ def decode_rank(
     try:
         if fqns is None:
             fqns = list(sdm)
-        raw = zlib.decompress(compact["ranks"][rank])
-        codes = _unpack("q", raw)
-        slot = _unpack("i", compact["planner_data_index"])[rank]
-        if slot == _SAME_AS_METADATA:
-            pd = user_planner_data(metadata) if user_pd is _MISSING else user_pd
-        else:
-            pd = compact["planner_data"][slot]
+        pd = rank_planner_data(compact, metadata, rank, user_pd)
         items: list[WriteItem] = []
         final: list[WriteItem] = []
-        for code in codes:
-            fqn = fqns[code >> 32]
+        for i, j, shard, keep in rank_codes(compact, rank):
+            fqn = fqns[i]
             md = sdm[fqn]
             if isinstance(md, BytesStorageMetadata):
                 item = WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
                 kept = item
             elif isinstance(md, TensorStorageMetadata):
-                j = (code >> 2) & _MAX_CHUNK
                 chunk = md.chunks[j]
-                kind = WriteItemType.SHARD if code & 2 else WriteItemType.TENSOR
+                kind = WriteItemType.SHARD if shard else WriteItemType.TENSOR
                 data = TensorWriteData(chunk=chunk, properties=md.properties, size=md.size)
                 item = WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=kind, tensor_data=data)
-                kept = WriteItem(index=MetadataIndex(fqn, chunk.offsets, j), type=kind, tensor_data=data) if code & 1 else None
+                kept = WriteItem(index=MetadataIndex(fqn, chunk.offsets, j), type=kind, tensor_data=data) if keep else None
             else:
                 return None
             items.append(item)
-            if code & 1:
+            if keep:
                 final.append(kept)
     except (KeyError, IndexError, TypeError, ValueError, zlib.error):
         return None
     return SavePlan(items, planner_data=pd), SavePlan(final, planner_data=pd)
+
+
+def rank_codes(compact: dict[str, Any], rank: int) -> list[tuple[int, int, bool, bool]]:
+    """Rank ``rank``'s items as ``(fqn position, chunk position, is a shard, kept by dedup)``, in plan order."""
+    return [
+        (code >> 32, (code >> 2) & _MAX_CHUNK, bool(code & 2), bool(code & 1))
+        for code in _unpack("q", zlib.decompress(compact["ranks"][rank]))
+    ]
+
+
+def rank_planner_data(compact: dict[str, Any], metadata: Metadata, rank: int, user_pd: Any = _MISSING) -> Any:
+    """The ``planner_data`` of rank ``rank``'s local plan (often the very object of the metadata's)."""
+    slot = _unpack("i", compact["planner_data_index"])[rank]
+    if slot == _SAME_AS_METADATA:
+        return user_planner_data(metadata) if user_pd is _MISSING else user_pd
+    return compact["planner_data"][slot]
 
 
 def read_plans(metadata: Metadata) -> list[SavePlan] | None:
@@ -360,6 +370,11 @@ def read_checksums(metadata: Metadata) -> dict[MetadataIndex, int]:
     """``MetadataIndex -> crc32`` of each stored item; empty for other tools' checkpoints."""
     checksums = _extras(metadata).get(CHECKSUMS_KEY)
     return checksums if isinstance(checksums, dict) else {}
+
+
+def read_index_directory(metadata: Metadata) -> Any:
+    """The resume index directory ``finish()`` stored (unchecked: see ``resume_index.directory``), or ``None``."""
+    return _extras(metadata).get(INDEX_KEY)
 
 
 def read_commit(metadata: Metadata) -> dict[str, Any] | None:

@@ -153,7 +153,10 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         broadcasts its bytes; every rank still unpickles them itself, with its
         own allow-list.
         """
-        metadata = parse_metadata(raw, self.store.url_for(METADATA_KEY), self.allow_globals)
+        return self.use_metadata(parse_metadata(raw, self.store.url_for(METADATA_KEY), self.allow_globals))
+
+    def use_metadata(self, metadata: Metadata) -> Metadata:
+        """Adopt ``metadata`` for this checkpoint, parsed or built elsewhere (a rank's share of the resume index)."""
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

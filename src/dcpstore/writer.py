@@ -71,7 +71,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import planner_data
+from . import planner_data, resume_index
 from .commit import Outcome, write_metadata
 from .errors import CheckpointExistsError, CommitOutcomeUnknownError, DcpstoreError, ObjectNotFoundError
 from .layout import METADATA_KEY
@@ -314,6 +314,7 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         # What an AsyncCheckpointer's commit records (see steps.CommitRecord): user metadata and planner_data.
         self.commit_tags: dict[str, str] = {}
         self.commit_record: dict[str, Any] | None = None
+        self._index_key: str | None = None  # the resume index finish() wrote, deleted with the shards if not committed
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -362,7 +363,9 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         except ObjectNotFoundError:
             return None
         old = parse_metadata(raw, self.store.url_for(METADATA_KEY))
-        return _Replaced(etag, frozenset(info.relative_path for info in (old.storage_data or {}).values()))
+        paths = {info.relative_path for info in (old.storage_data or {}).values()}
+        index = resume_index.key_of(old)
+        return _Replaced(etag, frozenset(paths | ({index} if index else set())))
 
     def remember_local_plans(self, plans: list[SavePlan | None] | dict | None) -> None:
         """The local plans ``finish()`` persists.
@@ -457,7 +460,35 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         # A reused (cached) Metadata already carries last save's extras: drop them.
         user_planner_data = planner_data.user_planner_data(metadata)
         metadata.planner_data = planner_data.embed(user_planner_data, extras)
+        directory = self._write_resume_index(metadata, extras.get(planner_data.PLANS_KEY), checksums)
+        if directory is not None:
+            extras[planner_data.INDEX_KEY] = directory
+            metadata.planner_data = planner_data.embed(user_planner_data, extras)
         self.commit(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), storage_data)
+
+    def _write_resume_index(self, metadata: Metadata, compact: dict | None, checksums: dict) -> dict | None:
+        """PUT the resume index (see ``resume_index``) before ``.metadata``; its directory, or ``None`` without one.
+
+        Only for jobs of several ranks, with the compact plans, which say what each rank's local plan
+        held.  The index is a cache: a save whose index PUT fails still
+        commits, and its restarts read ``.metadata``.
+        """
+        self._index_key = None
+        if compact is None or len(compact["ranks"]) < 2:
+            return None  # a single rank resumes from .metadata, which it reads anyway
+        built = resume_index.build(metadata, compact, checksums, self.save_id)
+        if built is None:
+            logger.info("%s: the plans do not index this save's items; no resume index", self.url)
+            return None
+        blob, directory = built
+        try:
+            self.store.put(directory["key"], blob)
+        except Exception as e:  # noqa: BLE001 - an optional cache: the commit goes on without it
+            logger.warning("%s: could not write the resume index (%s); restarts will read .metadata", self.url, e)
+            self._delete_quietly({directory["key"]}, "resume index")
+            return None
+        self._index_key = directory["key"]
+        return directory
 
     def _plans_extras(self, metadata: Metadata, results: list[list[WriteResult]]) -> dict[str, Any]:
         """What ``finish()`` stores about the plans: the compact form, the full list, or nothing."""
@@ -504,7 +535,7 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         back: the shards are kept.  After an overwrite, the replaced
         checkpoint's shards are deleted.
         """
-        new_paths = {info.relative_path for info in storage_data.values()}
+        new_paths = {info.relative_path for info in storage_data.values()} | ({self._index_key} if self._index_key else set())
         if self.overwrite and self._replaced is None:
             self._replaced = self._read_replaced()  # planning ran elsewhere (e.g. a cached plan)
         replaced = self._replaced
@@ -535,7 +566,8 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
 
     def delete_shards(self, results: list[WriteResult]) -> None:
         """Delete the shard objects of a save that was not committed (best effort)."""
-        self._delete_quietly({r.storage_data.relative_path for r in results}, "shards of an uncommitted save")
+        own = {r.storage_data.relative_path for r in results} | ({self._index_key} if self._index_key else set())
+        self._delete_quietly(own, "shards of an uncommitted save")
 
     def _delete_quietly(self, keys: set[str], what: str) -> None:
         if not keys:

@@ -1,0 +1,406 @@
+"""The resume index: each rank's share of a checkpoint, typed and not pickle, beside ``.metadata``.
+
+torch's ``.metadata`` lists every chunk of every rank, so it grows as W x N
+(about 1.4 GB at 4,096 ranks x 2,000 items, see docs/scale.md), and every
+rank that resumes from it unpickles all of it.  A rank that resumes the same
+structure needs only what its own local plan held: its items, where each
+was written (by itself, or by whichever rank dedup chose for a replicated
+item), and its plan for the next save.
+
+So ``finish()`` also writes, before ``.metadata``, one object of blocks laid
+rank-major: block ``r`` is rank ``r``'s share, JSON compressed with zlib.
+The directory (each block's offset, length and SHA-256, the save's nonce,
+the world size) goes into ``.metadata``'s ``planner_data`` under
+``planner_data.INDEX_KEY``: the coordinator, which parses ``.metadata`` anyway, checks
+the index against the commit that names it and sends each rank its own
+directory entry (``rank_entry``); each other rank GETs its own block with one
+ranged GET, checks its hash, and builds a ``Metadata`` holding only its
+chunks (``share_metadata``).
+``.metadata`` itself stays torch's format: stock readers never see the index.
+
+The index is a cache of what ``.metadata`` says.  Whatever is off (no
+index, another world size, a block that does not hash or parse, a state dict
+whose items the block does not cover exactly) falls back to ``.metadata``.
+JSON, because ``json.loads`` runs at C speed and builds only str-keyed dicts,
+lists, strings and numbers: no object of the bucket's choosing, and no key
+whose hash a writer controls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from . import planner_data
+
+VERSION = 1
+MAX_BLOCK_BYTES = 1 << 30  # a block that claims more is not one dcpstore wrote
+MAX_INFLATION = 64  # JSON of chunk lists compresses 5-10x at level 1; a block that inflates more is refused
+
+
+class IndexUnusable(ValueError):
+    """The index cannot stand in for ``.metadata`` here; the message says why (for the fallback's log line)."""
+
+
+def index_key(save_id: str) -> str:
+    """The index object of the save ``save_id``: one per save, so a refused commit never overwrites the winner's."""
+    return f".dcpstore-index-{save_id}"
+
+
+# -- writing -----------------------------------------------------------------------------
+
+
+def build(metadata: Metadata, compact: dict[str, Any], checksums: dict, save_id: str) -> tuple[bytes, dict[str, Any]] | None:
+    """The index object and its directory for a save's global ``metadata``; ``None`` if it cannot hold it exactly.
+
+    ``compact``: the save's plans (``planner_data.encode_plans``), which say
+    what each rank's local plan held; ``checksums``: ``MetadataIndex -> crc32``.
+    Runs on every save (the storage paths change), so it works from the
+    compact codes and plain tuples, not from decoded plans: O(W x N) dict
+    lookups and one JSON encoding per block.
+    """
+    sdm = metadata.state_dict_metadata
+    fqns = list(sdm)
+    where = {(index.fqn, _key(index.offset)): info for index, info in metadata.storage_data.items()}
+    crcs = {(index.fqn, _key(index.offset)): crc for index, crc in checksums.items()}
+    user_pd = planner_data.user_planner_data(metadata)
+    fqn_rows: dict[int, list[Any]] = {}
+    encoded_pd: dict[int, Any] = {}  # id(planner_data) -> its encoding: ranks share one object
+    blocks: list[bytes] = []
+    try:
+        for rank in range(len(compact["ranks"])):
+            pd = planner_data.rank_planner_data(compact, metadata, rank, user_pd)
+            if id(pd) not in encoded_pd:
+                encoded_pd[id(pd)] = _encode_value(pd)
+            slots: dict[int, int] = {}
+            block_fqns: list[list[Any]] = []
+            rows: list[list[Any]] = []
+            for i, j, shard, keep in planner_data.rank_codes(compact, rank):
+                slot = slots.get(i)
+                if slot is None:
+                    slot = slots[i] = len(block_fqns)
+                    row = fqn_rows.get(i)
+                    if row is None:
+                        row = fqn_rows[i] = _fqn_row(fqns[i], sdm[fqns[i]])
+                    block_fqns.append(row)
+                md = sdm[fqns[i]]
+                if isinstance(md, BytesStorageMetadata):
+                    key, offsets, sizes = (fqns[i], None), None, None
+                else:
+                    chunk = md.chunks[j]
+                    offsets, sizes = list(chunk.offsets), list(chunk.sizes)
+                    key = (fqns[i], tuple(offsets))
+                info = where[key]
+                transforms = getattr(info, "transform_descriptors", None)
+                rows.append(
+                    [
+                        slot, j, offsets, sizes, shard << 1 | keep,
+                        info.relative_path, info.offset, info.length,
+                        list(transforms) if transforms else None, crcs.get(key),
+                    ]
+                )
+            block = {"fqns": block_fqns, "items": rows, "plan_data": encoded_pd[id(pd)]}
+            blocks.append(zlib.compress(json.dumps(block, separators=(",", ":")).encode(), 1))
+    except (KeyError, IndexError, TypeError, ValueError, zlib.error):
+        return None
+    entries, offset = [], 0
+    for block in blocks:
+        entries.append([offset, len(block), hashlib.sha256(block).hexdigest()])
+        offset += len(block)
+    directory = {
+        "version": VERSION,
+        "key": index_key(save_id),
+        "save_id": save_id,
+        "world_size": len(blocks),
+        "size": offset,
+        "dcp_version": getattr(metadata, "version", None),
+        "blocks": entries,
+    }
+    return b"".join(blocks), directory
+
+
+def _key(offsets: Any) -> tuple[int, ...] | None:
+    return tuple(offsets) if offsets is not None else None
+
+
+def _fqn_row(fqn: str, md: Any) -> list[Any]:
+    if isinstance(md, BytesStorageMetadata):
+        return [fqn, "bytes"]
+    p = md.properties
+    return [
+        fqn,
+        "tensor",
+        list(md.size),
+        str(p.dtype).removeprefix("torch."),
+        str(p.layout).removeprefix("torch."),
+        bool(p.requires_grad),
+        str(p.memory_format).removeprefix("torch."),
+        bool(p.pin_memory),
+    ]
+
+
+# A plan's planner_data in JSON: str, int, float, bool, None, and lists,
+# tuples and str-keyed dicts of them (DefaultSavePlanner's flatten mappings).
+# Anything else is not encoded, and that rank's plan is not primed from the index.
+_MAX_DEPTH = 32
+
+
+def _encode_value(value: Any, depth: int = 0) -> Any:
+    if depth > _MAX_DEPTH:
+        return {"unencodable": True}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"v": value}
+    if isinstance(value, (list, tuple)):
+        parts = [_encode_value(v, depth + 1) for v in value]
+        if any("unencodable" in p for p in parts):
+            return {"unencodable": True}
+        return {"tuple" if isinstance(value, tuple) else "list": parts}
+    if type(value) is dict and all(isinstance(k, str) for k in value):
+        parts = {k: _encode_value(v, depth + 1) for k, v in value.items()}
+        if any("unencodable" in p for p in parts.values()):
+            return {"unencodable": True}
+        return {"dict": parts}
+    return {"unencodable": True}
+
+
+def _decode_value(node: Any, depth: int = 0) -> Any:
+    if depth > _MAX_DEPTH or not isinstance(node, dict) or len(node) != 1:
+        raise IndexUnusable("a plan's planner_data is not one the index encodes")
+    (kind, body), = node.items()
+    if kind == "v" and (body is None or isinstance(body, (bool, int, float, str))):
+        return body
+    if kind in ("list", "tuple") and isinstance(body, list):
+        values = [_decode_value(v, depth + 1) for v in body]
+        return tuple(values) if kind == "tuple" else values
+    if kind == "dict" and isinstance(body, dict):
+        return {k: _decode_value(v, depth + 1) for k, v in body.items()}
+    raise IndexUnusable("a plan's planner_data is not one the index encodes")
+
+
+# -- reading -----------------------------------------------------------------------------
+
+
+def key_of(metadata: Metadata) -> str | None:
+    """The index object a committed ``.metadata`` names (to delete with its shards), or ``None``."""
+    entry = planner_data.read_index_directory(metadata)
+    key = entry.get("key") if isinstance(entry, dict) else None
+    return key if isinstance(key, str) and key.startswith(".dcpstore-index-") and "/" not in key else None
+
+
+def directory(metadata: Metadata, world_size: int) -> dict[str, Any]:
+    """The index directory a parsed ``.metadata`` names, if it fits a job of ``world_size``; raises ``IndexUnusable``."""
+    entry = planner_data.read_index_directory(metadata)
+    if entry is None:
+        raise IndexUnusable("the checkpoint has no resume index")
+    if not isinstance(entry, dict) or entry.get("version") != VERSION or not isinstance(entry.get("blocks"), list):
+        raise IndexUnusable("the resume index entry in .metadata is not one this dcpstore reads")
+    if entry.get("world_size") != world_size or len(entry["blocks"]) != world_size:
+        raise IndexUnusable(f"saved by {entry.get('world_size')} ranks, loaded by {world_size}")
+    save_id = metadata.storage_meta.save_id if metadata.storage_meta is not None else None
+    if entry.get("save_id") != save_id or entry.get("key") != index_key(str(save_id)):
+        raise IndexUnusable("the resume index belongs to another save than this .metadata")
+    return entry
+
+
+def rank_entry(entry: dict[str, Any], rank: int) -> dict[str, Any]:
+    """What rank ``rank`` needs of the directory: its block's bounds and hash, not all W of them."""
+    return {**{k: v for k, v in entry.items() if k != "blocks"}, "rank": rank, "block": entry["blocks"][rank]}
+
+
+def read_block(store, entry: dict[str, Any]) -> dict[str, Any]:
+    """The block ``rank_entry`` names: one ranged GET, checked against the hash ``.metadata`` holds; raises ``IndexUnusable``."""
+    rank = entry.get("rank")
+    try:
+        offset, length, digest = entry["block"]
+        if not (type(offset) is int and type(length) is int and 0 <= offset and 0 < length <= MAX_BLOCK_BYTES):
+            raise ValueError("bad block bounds")
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise IndexUnusable(f"the directory entry of rank {rank} is malformed ({e})") from None
+    raw = store.get_range(entry["key"], offset, offset + length)
+    if hashlib.sha256(raw).hexdigest() != digest:
+        raise IndexUnusable(f"{store.url_for(entry['key'])}: block of rank {rank} does not match its hash in .metadata")
+    try:
+        inflater = zlib.decompressobj()
+        text = inflater.decompress(raw, MAX_INFLATION * length)
+        if inflater.unconsumed_tail:
+            raise ValueError(f"inflates to more than {MAX_INFLATION} times its size")
+        block = json.loads(text)
+    except (zlib.error, ValueError, RecursionError) as e:
+        raise IndexUnusable(f"{store.url_for(entry['key'])}: block of rank {rank} does not parse ({e})") from None
+    if not isinstance(block, dict):
+        raise IndexUnusable(f"{store.url_for(entry['key'])}: block of rank {rank} is not an object")
+    return block
+
+
+def check(store, metadata: Metadata, sizes: dict[str, int], deep: bool) -> list[str]:
+    """Problems with the resume index ``metadata`` names (for ``dcpstore verify``): a cache, but one that must match."""
+    entry = planner_data.read_index_directory(metadata)
+    if entry is None:
+        return []
+    try:
+        directory(metadata, len(entry["blocks"]))
+    except (IndexUnusable, TypeError, KeyError) as e:
+        return [f"{store.url_for('.metadata')}: resume index entry: {e}"]
+    where = store.url_for(entry["key"])
+    if sizes.get(entry["key"]) != entry.get("size"):
+        return [f"{where}: resume index is {sizes.get(entry['key'], 'missing')}, .metadata says {entry.get('size')} bytes"]
+    problems = []
+    for rank in range(len(entry["blocks"]) if deep else 0):
+        try:
+            read_block(store, rank_entry(entry, rank))
+        except IndexUnusable as e:
+            problems.append(str(e))
+    return problems
+
+
+class Share:
+    """A rank's share of a checkpoint, as its index block gives it."""
+
+    def __init__(self, metadata: Metadata, local_plan: SavePlan | None, final_plan: SavePlan | None):
+        self.metadata = metadata  # only this rank's chunks, and where they lie
+        self.local_plan = local_plan  # for the plan cache; None when its planner_data was not encodable
+        self.final_plan = final_plan
+
+
+def share_metadata(block: dict[str, Any], entry: dict[str, Any], url: str) -> Share:
+    """The ``Metadata`` of one rank's share, and its plans; raises ``IndexUnusable`` on anything malformed."""
+    try:
+        fqn_mds: list[tuple[str, Any]] = [_fqn_metadata(row) for row in block["fqns"]]
+        sdm: dict[str, Any] = {}
+        for fqn, md in fqn_mds:
+            sdm[fqn] = md
+        storage_data: dict[MetadataIndex, _StorageInfo] = {}
+        checksums: dict[MetadataIndex, int] = {}
+        local_items: list[WriteItem] = []
+        final_items: list[WriteItem] = []
+        for row in block["items"]:
+            slot, position, offsets, sizes, flags, path, offset, length, transforms, crc = row
+            fqn, md = fqn_mds[slot]
+            if isinstance(md, BytesStorageMetadata):
+                index = MetadataIndex(fqn)
+                item = WriteItem(index=index, type=WriteItemType.BYTE_IO)
+                kept = item
+            else:
+                chunk = ChunkStorageMetadata(offsets=torch.Size(_ints(offsets)), sizes=torch.Size(_ints(sizes)))
+                if len(chunk.offsets) != len(md.size) or len(chunk.sizes) != len(md.size):
+                    raise ValueError(f"chunk of {fqn!r} has the wrong rank")
+                md.chunks.append(chunk)
+                index = MetadataIndex(fqn, chunk.offsets, _int(position))
+                kind = WriteItemType.SHARD if flags & 2 else WriteItemType.TENSOR
+                data = TensorWriteData(chunk=chunk, properties=md.properties, size=md.size)
+                item = WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=kind, tensor_data=data)
+                kept = WriteItem(index=index, type=kind, tensor_data=data)
+            if not isinstance(path, str) or not (transforms is None or all(isinstance(t, str) for t in transforms)):
+                raise ValueError(f"storage of {fqn!r} is malformed")
+            info = _StorageInfo(path, _int(offset), _int(length))
+            if transforms:
+                info.transform_descriptors = list(transforms)
+            storage_data[index] = info
+            if crc is not None:
+                checksums[index] = _int(crc)
+            local_items.append(item)
+            if flags & 1:
+                final_items.append(kept)
+        plan_data = block.get("plan_data")
+        local_plan = final_plan = None
+        if isinstance(plan_data, dict) and "unencodable" not in plan_data:
+            pd = _decode_value(plan_data)
+            local_plan, final_plan = SavePlan(local_items, planner_data=pd), SavePlan(final_items, planner_data=pd)
+    except IndexUnusable:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError) as e:
+        raise IndexUnusable(f"{url}: an index block is malformed ({type(e).__name__}: {e})") from None
+    extras: dict[str, Any] = {planner_data.CHECKSUMS_KEY: checksums} if checksums else {}
+    metadata = Metadata(
+        state_dict_metadata=sdm,
+        planner_data=planner_data.embed(None, extras) if extras else None,
+        storage_data=storage_data,
+        storage_meta=StorageMeta(checkpoint_id=url, save_id=entry.get("save_id")),
+    )
+    if entry.get("dcp_version") is not None and hasattr(metadata, "version"):
+        metadata.version = entry["dcp_version"]
+    return Share(metadata, local_plan, final_plan)
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int or not 0 <= value < 1 << 63:
+        raise ValueError(f"{value!r} is not a non-negative 64-bit int")
+    return value
+
+
+def _ints(values: Any) -> list[int]:
+    if not isinstance(values, list):
+        raise ValueError(f"{values!r} is not a list")
+    return [_int(v) for v in values]
+
+
+def _torch_attr(name: Any, kind: type) -> Any:
+    value = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(value, kind):
+        raise ValueError(f"{name!r} is not a torch {kind.__name__}")
+    return value
+
+
+def _fqn_metadata(row: list[Any]) -> tuple[str, Any]:
+    fqn, kind = row[0], row[1]
+    if not isinstance(fqn, str):
+        raise ValueError("an fqn is not a string")
+    if kind == "bytes":
+        return fqn, BytesStorageMetadata()
+    if kind != "tensor":
+        raise ValueError(f"{fqn!r} has kind {kind!r}")
+    _, _, size, dtype, layout, requires_grad, memory_format, pin_memory = row
+    properties = TensorProperties(
+        dtype=_torch_attr(dtype, torch.dtype),
+        layout=_torch_attr(layout, torch.layout),
+        requires_grad=bool(requires_grad),
+        memory_format=_torch_attr(memory_format, torch.memory_format),
+        pin_memory=bool(pin_memory),
+    )
+    return fqn, TensorStorageMetadata(properties=properties, size=torch.Size(_ints(size)), chunks=[])
+
+
+def covers(metadata: Metadata, flat_state_dict: dict[str, Any]) -> str | None:
+    """Why ``metadata`` (a share) does not hold exactly what ``flat_state_dict`` loads, or ``None`` if it does.
+
+    A rank's share covers a load of the same structure: every key, and for
+    each tensor the very chunk this rank holds (its whole tensor, or its
+    DTensor shard).  A resharded load needs chunks of other ranks: ``.metadata``.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sdm = metadata.state_dict_metadata
+    for key, value in flat_state_dict.items():
+        md = sdm.get(key)
+        if md is None:
+            return f"{key!r} is not in this rank's share"
+        if isinstance(value, DTensor):
+            shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+            want = (torch.Size(offset), torch.Size(shape), value.shape)
+        elif isinstance(value, torch.Tensor):
+            want = (torch.Size([0] * value.dim()), value.shape, value.shape)
+        else:
+            if not isinstance(md, BytesStorageMetadata):
+                return f"{key!r} is a tensor in the checkpoint"
+            continue
+        if not isinstance(md, TensorStorageMetadata) or md.size != want[2]:
+            return f"{key!r} differs in size or kind"
+        if not any(c.offsets == want[0] and c.sizes == want[1] for c in md.chunks):
+            return f"{key!r}: this rank's chunk was saved by another rank (a resharded load)"
+    return None

@@ -1,0 +1,138 @@
+"""The resume index: a restarted rank reads its own share of a checkpoint, not the whole job's ``.metadata``."""
+
+import pytest
+import torch
+
+from conftest import read_metadata_raw
+from dist_utils import run_ranks
+from test_checkpointer import assert_same
+from workers import checkpointer_resume_logged, checkpointer_three_saves
+
+from dcpstore import resume_index
+from dcpstore.cli import main
+from dcpstore.planner_data import INDEX_KEY, split
+
+
+def _directory(s3, bucket, prefix):
+    return split(read_metadata_raw(s3, bucket, prefix).planner_data)[1][INDEX_KEY]
+
+
+def _index_gets(proxy, prefix):
+    """(start, end) of each GET of the step's index object, from the Range header the proxy saw."""
+    out = []
+    for method, path, headers in proxy.headers:
+        if method == "GET" and f"{prefix}/.dcpstore-index-" in path:
+            first, last = headers["range"].removeprefix("bytes=").split("-")
+            out.append((int(first), int(last) + 1))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_rank_resumes_from_its_own_block_with_one_ranged_get(world_size, bucket, s3, proxy):
+    root = f"s3://{bucket}/run"
+    (_, final, _), *_ = run_ranks(checkpointer_three_saves, world_size, root, "central").values()
+    directory = _directory(s3, bucket, "run/step_00000030")
+    assert directory["world_size"] == world_size and len(directory["blocks"]) == world_size
+    index_size = s3.head_object(Bucket=bucket, Key=f"run/step_00000030/{directory['key']}")["ContentLength"]
+    assert index_size == directory["size"]
+
+    proxy.clear()
+    results = run_ranks(checkpointer_resume_logged, world_size, root, proxy.endpoint)
+    # .metadata: the coordinator's HEAD (commit order) and its one GET; no rank but it parses .metadata.
+    assert [m for m, p in proxy.requests if p.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "GET"]
+    # Every other rank: exactly its block, one ranged GET (the coordinator has .metadata already).
+    blocks = {(offset, offset + length) for offset, length, _ in directory["blocks"][1:]}
+    assert sorted(_index_gets(proxy, "step_00000030")) == sorted(blocks)
+    for rank, ((step, loaded, counts, reused, expected, reloaded), logged) in results.items():
+        assert step == 30
+        assert_same(loaded, final)
+        assert reused and counts.get("scatter_object_list", 0) == 0  # primed from the block: no planning
+        assert_same(reloaded, expected)
+        assert not [r for r in logged if r.startswith("WARNING")], (rank, logged)
+
+
+def test_a_resharded_resume_reads_metadata(bucket, s3, proxy):
+    root = f"s3://{bucket}/run"
+    (_, final, _), *_ = run_ranks(checkpointer_three_saves, 4, root, "central").values()
+    proxy.clear()
+    results = run_ranks(checkpointer_resume_logged, 2, root, proxy.endpoint)
+    assert _index_gets(proxy, "step_00000030") == []
+    assert [m for m, p in proxy.requests if p.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "GET"]
+    for (step, loaded, *_rest), _logged in results.values():
+        assert step == 30
+        assert_same(loaded, final)
+
+
+@pytest.mark.parametrize("damage", ["deleted", "corrupted", "truncated"])
+def test_a_missing_or_damaged_index_falls_back_to_metadata_with_a_warning(damage, bucket, s3, proxy):
+    root = f"s3://{bucket}/run"
+    (_, final, _), *_ = run_ranks(checkpointer_three_saves, 2, root, "central").values()
+    key = f"run/step_00000030/{_directory(s3, bucket, 'run/step_00000030')['key']}"
+    step_url = f"{root}/step_00000030"
+    assert main(["verify", step_url, "--deep"]) == 0
+    body = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    if damage == "deleted":
+        s3.delete_object(Bucket=bucket, Key=key)
+    elif damage == "corrupted":
+        body[-3] ^= 0xFF  # in rank 1's block, the last: its hash no longer matches
+        s3.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    else:
+        s3.put_object(Bucket=bucket, Key=key, Body=bytes(body[:-10]))
+    assert main(["verify", step_url, "--deep"]) == 1  # dcpstore verify names the damage
+    proxy.clear()
+    results = run_ranks(checkpointer_resume_logged, 2, root, proxy.endpoint)
+    for rank, ((step, loaded, _counts, _reused, expected, reloaded), logged) in results.items():
+        assert step == 30
+        assert_same(loaded, final)  # bit-exact from .metadata
+        assert_same(reloaded, expected)
+        if rank == 1:
+            assert any(r.startswith("WARNING") and "falls back to .metadata" in r for r in logged), logged
+    # The fallback is the coordinator's one GET, broadcast: rank 1 never GETs .metadata itself.
+    assert [m for m, p in proxy.requests if p.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "GET"]
+
+
+def _tensor_row(fqn="w", dtype="float32", size=(4,)):
+    return [fqn, "tensor", list(size), dtype, "strided", False, "contiguous_format", False]
+
+
+def _item_row(offsets=(0,), sizes=(4,), path="__0_a_0.distcp"):
+    return [0, 0, list(offsets), list(sizes), 1, path, 0, 16, None, None]
+
+
+ENTRY = {"save_id": "s", "dcp_version": None}
+
+
+def test_a_well_formed_block_gives_the_ranks_share_and_its_plans():
+    block = {"fqns": [_tensor_row()], "items": [_item_row()], "plan_data": {"dict": {"w": {"tuple": [{"v": "w"}]}}}}
+    share = resume_index.share_metadata(block, ENTRY, "s3://b/ck")
+    md = share.metadata.state_dict_metadata["w"]
+    assert md.size == torch.Size([4]) and md.properties.dtype is torch.float32
+    assert [c.offsets for c in md.chunks] == [torch.Size([0])]
+    assert share.local_plan.planner_data == {"w": ("w",)} and len(share.final_plan.items) == 1
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        {"fqns": [_tensor_row(dtype="load")], "items": [_item_row()]},  # a torch function, not a dtype
+        {"fqns": [_tensor_row(dtype="os.system")], "items": [_item_row()]},
+        {"fqns": [_tensor_row(size=(10**30,))], "items": [_item_row()]},
+        {"fqns": [_tensor_row()], "items": [_item_row(offsets=(-1,))]},
+        {"fqns": [_tensor_row()], "items": [_item_row(offsets=(0, 0))]},  # wrong rank
+        {"fqns": [_tensor_row()], "items": [[7, 0, [0], [4], 1, "p", 0, 1, None, None]]},  # no such fqn
+        {"fqns": [["w", "pickle"]], "items": []},
+        {"fqns": [_tensor_row()], "items": [_item_row()], "plan_data": {"eval": "__import__('os')"}},
+        {"fqns": "w", "items": []},
+    ],
+)
+def test_a_malformed_block_is_refused_by_name_never_built(block):
+    with pytest.raises(resume_index.IndexUnusable, match="s3://b/ck|planner_data"):
+        resume_index.share_metadata(block, ENTRY, "s3://b/ck")
+
+
+def test_nesting_in_plan_data_is_bounded():
+    node = {"v": 1}
+    for _ in range(100):
+        node = {"list": [node]}
+    with pytest.raises(resume_index.IndexUnusable):
+        resume_index.share_metadata({"fqns": [], "items": [], "plan_data": node}, ENTRY, "s3://b/ck")
