@@ -116,6 +116,7 @@ def test_a_well_formed_block_gives_the_ranks_share_and_its_plans():
     [
         {"fqns": [_tensor_row(dtype="load")], "items": [_item_row()]},  # a torch function, not a dtype
         {"fqns": [_tensor_row(dtype="os.system")], "items": [_item_row()]},
+        {"fqns": [_tensor_row(dtype="_dynamo")], "items": [_item_row()]},  # a lazy torch submodule: never imported
         {"fqns": [_tensor_row(size=(10**30,))], "items": [_item_row()]},
         {"fqns": [_tensor_row()], "items": [_item_row(offsets=(-1,))]},
         {"fqns": [_tensor_row()], "items": [_item_row(offsets=(0, 0))]},  # wrong rank
@@ -136,3 +137,10 @@ def test_nesting_in_plan_data_is_bounded():
         node = {"list": [node]}
     with pytest.raises(resume_index.IndexUnusable):
         resume_index.share_metadata({"fqns": [], "items": [], "plan_data": node}, ENTRY, "s3://b/ck")
+
+
+def test_chunks_of_one_fqn_are_capped_since_their_keys_hash_predictably():
+    rows = [_item_row(offsets=(n,), sizes=(1,)) for n in range(resume_index.MAX_CHUNKS_PER_FQN + 1)]
+    block = {"fqns": [_tensor_row(size=(resume_index.MAX_CHUNKS_PER_FQN + 1,))], "items": rows}
+    with pytest.raises(resume_index.IndexUnusable, match="chunks of 'w'"):
+        resume_index.share_metadata(block, ENTRY, "s3://b/ck")

@@ -644,8 +644,8 @@ class AsyncCheckpointer:
             shared: Any = self._find_for_load(step) if coordinator else None
             if coordinator and not isinstance(shared, BaseException):
                 step, raw = shared
-                reader = self._reader(step, allow_globals, allow_unsafe_pickle)
                 try:
+                    reader = self._reader(step, allow_globals, allow_unsafe_pickle)
                     metadata = reader.use_metadata_bytes(raw)
                     directory = self._index_directory(metadata, self.step_url(step))
                     shared = [
@@ -654,6 +654,9 @@ class AsyncCheckpointer:
                     ]
                 except DcpstoreError as e:
                     shared = e
+                except Exception as e:  # noqa: BLE001 - the peers wait in the scatter: they must hear of it
+                    shared = DcpstoreError(f"{self.step_url(step)}: reading .metadata failed: {_describe(e)}")
+                    shared.__cause__ = e
             # Each rank gets its own directory entry: a few hundred bytes, not W of them.
             shared = self._coll.scatter(shared if isinstance(shared, list) or not coordinator else [shared] * self.world_size)
             if isinstance(shared, BaseException):
@@ -725,14 +728,14 @@ class AsyncCheckpointer:
         """This rank's share of the checkpoint from its index block (``directory``: its entry), or ``None`` (logged) to read ``.metadata``."""
         try:
             share = resume_index.share_metadata(resume_index.read_block(reader.store, directory), directory, url)
+            flat, _ = flatten_state_dict(_flatten_sharded_tensors(flat_sd))
+            why = resume_index.covers(share.metadata, flat)
         except resume_index.IndexUnusable as e:
             logger.warning("%s: rank %d falls back to .metadata: %s", url, self.rank, e)
             return None
-        except DcpstoreError as e:
-            logger.warning("%s: rank %d could not read its resume index block (%s); falls back to .metadata", url, self.rank, e)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the all_min that decides the fallback
+            logger.warning("%s: rank %d could not use its resume index block (%s); falls back to .metadata", url, self.rank, _describe(e))
             return None
-        flat, _ = flatten_state_dict(_flatten_sharded_tensors(flat_sd))
-        why = resume_index.covers(share.metadata, flat)
         if why is not None:
             logger.info("%s: rank %d reads .metadata: %s", url, self.rank, why)
             return None

@@ -21,9 +21,11 @@ chunks (``share_metadata``).
 The index is a cache of what ``.metadata`` says.  Whatever is off (no
 index, another world size, a block that does not hash or parse, a state dict
 whose items the block does not cover exactly) falls back to ``.metadata``.
-JSON, because ``json.loads`` runs at C speed and builds only str-keyed dicts,
-lists, strings and numbers: no object of the bucket's choosing, and no key
-whose hash a writer controls.
+JSON, because ``json.loads`` runs at C speed and builds only str-keyed dicts
+(whose hashes are seeded per process), lists, strings and numbers: no object
+of the bucket's choosing.  A block is bounded before it is parsed (its
+compressed and inflated size), and the ``MetadataIndex`` keys built from it,
+whose offsets hash predictably, are capped per fqn (``MAX_CHUNKS_PER_FQN``).
 """
 
 from __future__ import annotations
@@ -49,8 +51,15 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from . import planner_data
 
 VERSION = 1
-MAX_BLOCK_BYTES = 1 << 30  # a block that claims more is not one dcpstore wrote
-MAX_INFLATION = 64  # JSON of chunk lists compresses 5-10x at level 1; a block that inflates more is refused
+MAX_BLOCK_BYTES = 64 << 20  # compressed; a rank's block is tens of KB at 2,000 items
+MAX_BLOCK_JSON = 256 << 20  # inflated: a block that inflates past this is refused before it is parsed
+# Chunks of one fqn in one rank's share: 1 for a DTensor or plain tensor, a
+# few for a LocalShardsWrapper.  The offsets of a MetadataIndex key hash
+# predictably (ints), so many chunks of one fqn could be made to collide.
+MAX_CHUNKS_PER_FQN = 1024
+_DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
+_LAYOUTS = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+_MEMORY_FORMATS = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.memory_format)}
 
 
 class IndexUnusable(ValueError):
@@ -219,7 +228,8 @@ def directory(metadata: Metadata, world_size: int) -> dict[str, Any]:
 
 def rank_entry(entry: dict[str, Any], rank: int) -> dict[str, Any]:
     """What rank ``rank`` needs of the directory: its block's bounds and hash, not all W of them."""
-    return {**{k: v for k, v in entry.items() if k != "blocks"}, "rank": rank, "block": entry["blocks"][rank]}
+    return {"key": entry["key"], "save_id": entry["save_id"], "dcp_version": entry.get("dcp_version"),
+            "rank": rank, "block": entry["blocks"][rank]}
 
 
 def read_block(store, entry: dict[str, Any]) -> dict[str, Any]:
@@ -236,9 +246,9 @@ def read_block(store, entry: dict[str, Any]) -> dict[str, Any]:
         raise IndexUnusable(f"{store.url_for(entry['key'])}: block of rank {rank} does not match its hash in .metadata")
     try:
         inflater = zlib.decompressobj()
-        text = inflater.decompress(raw, MAX_INFLATION * length)
+        text = inflater.decompress(raw, MAX_BLOCK_JSON)
         if inflater.unconsumed_tail:
-            raise ValueError(f"inflates to more than {MAX_INFLATION} times its size")
+            raise ValueError(f"inflates past {MAX_BLOCK_JSON} bytes")
         block = json.loads(text)
     except (zlib.error, ValueError, RecursionError) as e:
         raise IndexUnusable(f"{store.url_for(entry['key'])}: block of rank {rank} does not parse ({e})") from None
@@ -299,6 +309,8 @@ def share_metadata(block: dict[str, Any], entry: dict[str, Any], url: str) -> Sh
                 chunk = ChunkStorageMetadata(offsets=torch.Size(_ints(offsets)), sizes=torch.Size(_ints(sizes)))
                 if len(chunk.offsets) != len(md.size) or len(chunk.sizes) != len(md.size):
                     raise ValueError(f"chunk of {fqn!r} has the wrong rank")
+                if len(md.chunks) >= MAX_CHUNKS_PER_FQN:
+                    raise ValueError(f"more than {MAX_CHUNKS_PER_FQN} chunks of {fqn!r} in one rank's share")
                 md.chunks.append(chunk)
                 index = MetadataIndex(fqn, chunk.offsets, _int(position))
                 kind = WriteItemType.SHARD if flags & 2 else WriteItemType.TENSOR
@@ -323,7 +335,7 @@ def share_metadata(block: dict[str, Any], entry: dict[str, Any], url: str) -> Sh
             local_plan, final_plan = SavePlan(local_items, planner_data=pd), SavePlan(final_items, planner_data=pd)
     except IndexUnusable:
         raise
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - whatever a malformed block raises, .metadata is the fallback
         raise IndexUnusable(f"{url}: an index block is malformed ({type(e).__name__}: {e})") from None
     extras: dict[str, Any] = {planner_data.CHECKSUMS_KEY: checksums} if checksums else {}
     metadata = Metadata(
@@ -349,10 +361,11 @@ def _ints(values: Any) -> list[int]:
     return [_int(v) for v in values]
 
 
-def _torch_attr(name: Any, kind: type) -> Any:
-    value = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(value, kind):
-        raise ValueError(f"{name!r} is not a torch {kind.__name__}")
+def _named(name: Any, known: dict[str, Any], what: str) -> Any:
+    """A torch dtype, layout or memory format by name, from an explicit table (no attribute lookup on torch)."""
+    value = known.get(name) if isinstance(name, str) else None
+    if value is None:
+        raise ValueError(f"{name!r} is not a torch {what}")
     return value
 
 
@@ -366,10 +379,10 @@ def _fqn_metadata(row: list[Any]) -> tuple[str, Any]:
         raise ValueError(f"{fqn!r} has kind {kind!r}")
     _, _, size, dtype, layout, requires_grad, memory_format, pin_memory = row
     properties = TensorProperties(
-        dtype=_torch_attr(dtype, torch.dtype),
-        layout=_torch_attr(layout, torch.layout),
+        dtype=_named(dtype, _DTYPES, "dtype"),
+        layout=_named(layout, _LAYOUTS, "layout"),
         requires_grad=bool(requires_grad),
-        memory_format=_torch_attr(memory_format, torch.memory_format),
+        memory_format=_named(memory_format, _MEMORY_FORMATS, "memory format"),
         pin_memory=bool(pin_memory),
     )
     return fqn, TensorStorageMetadata(properties=properties, size=torch.Size(_ints(size)), chunks=[])
@@ -379,28 +392,26 @@ def covers(metadata: Metadata, flat_state_dict: dict[str, Any]) -> str | None:
     """Why ``metadata`` (a share) does not hold exactly what ``flat_state_dict`` loads, or ``None`` if it does.
 
     A rank's share covers a load of the same structure: every key, and for
-    each tensor the very chunk this rank holds (its whole tensor, or its
-    DTensor shard).  A resharded load needs chunks of other ranks: ``.metadata``.
+    each tensor every chunk this rank holds (torch's ``_create_chunk_list``,
+    as the load planner sees them: a whole tensor, a DTensor shard, the
+    shards of a ``LocalShardsWrapper``), each saved as that very chunk.  A
+    resharded load needs chunks of other ranks: ``.metadata``.
     """
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 
     sdm = metadata.state_dict_metadata
     for key, value in flat_state_dict.items():
         md = sdm.get(key)
         if md is None:
             return f"{key!r} is not in this rank's share"
-        if isinstance(value, DTensor):
-            shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-            want = (torch.Size(offset), torch.Size(shape), value.shape)
-        elif isinstance(value, torch.Tensor):
-            want = (torch.Size([0] * value.dim()), value.shape, value.shape)
-        else:
+        if not isinstance(value, torch.Tensor):
             if not isinstance(md, BytesStorageMetadata):
                 return f"{key!r} is a tensor in the checkpoint"
             continue
-        if not isinstance(md, TensorStorageMetadata) or md.size != want[2]:
+        if not isinstance(md, TensorStorageMetadata) or md.size != value.size():
             return f"{key!r} differs in size or kind"
-        if not any(c.offsets == want[0] and c.sizes == want[1] for c in md.chunks):
-            return f"{key!r}: this rank's chunk was saved by another rank (a resharded load)"
+        saved = {(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks}
+        for chunk in _create_chunk_list(value):
+            if (tuple(chunk.offsets), tuple(chunk.sizes)) not in saved:
+                return f"{key!r}: a chunk of this rank was saved by another rank (a resharded load)"
     return None

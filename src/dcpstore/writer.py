@@ -476,7 +476,11 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         self._index_key = None
         if compact is None or len(compact["ranks"]) < 2:
             return None  # a single rank resumes from .metadata, which it reads anyway
-        built = resume_index.build(metadata, compact, checksums, self.save_id)
+        try:
+            built = resume_index.build(metadata, compact, checksums, self.save_id)
+        except Exception as e:  # noqa: BLE001 - an optional cache: the commit goes on without it
+            logger.warning("%s: could not build the resume index (%r); restarts will read .metadata", self.url, e)
+            return None
         if built is None:
             logger.info("%s: the plans do not index this save's items; no resume index", self.url)
             return None
