@@ -57,7 +57,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 
-from . import planner_data, resume_index
+from . import resume_index
 from .commit import Outcome, landing_margin, wait_and_settle
 from .errors import (
     CheckpointExistsError,
@@ -657,8 +657,10 @@ class AsyncCheckpointer:
                 except Exception as e:  # noqa: BLE001 - the peers wait in the scatter: they must hear of it
                     shared = DcpstoreError(f"{self.step_url(step)}: reading .metadata failed: {_describe(e)}")
                     shared.__cause__ = e
+            if coordinator and isinstance(shared, BaseException):
+                shared = [shared] * self.world_size
             # Each rank gets its own directory entry: a few hundred bytes, not W of them.
-            shared = self._coll.scatter(shared if isinstance(shared, list) or not coordinator else [shared] * self.world_size)
+            shared = self._coll.scatter(shared)
             if isinstance(shared, BaseException):
                 raise shared
             step, directory = shared
@@ -712,14 +714,13 @@ class AsyncCheckpointer:
         )
 
     def _index_directory(self, metadata: Metadata, url: str) -> dict | None:
-        """On the coordinator: the resume index directory to broadcast, or ``None`` (every rank reads ``.metadata``)."""
+        """On the coordinator: the resume index directory to hand out, or ``None`` (every rank reads ``.metadata``)."""
         if self.world_size == 1:
             return None  # the coordinator alone: it has .metadata already
         try:
             return resume_index.directory(metadata, self.world_size)
         except resume_index.IndexUnusable as e:
-            known = planner_data.read_index_directory(metadata) is not None
-            (logger.warning if known and "ranks, loaded by" not in str(e) else logger.info)(
+            (logger.warning if e.damaged else logger.info)(
                 "%s: not resuming from the resume index (%s); every rank reads .metadata", url, e
             )
             return None
@@ -744,16 +745,17 @@ class AsyncCheckpointer:
     def _find_for_load(self, step: int | None) -> tuple[int, bytes] | BaseException:
         """On the coordinator: the step to load and its ``.metadata`` bytes, or the error for every rank.
 
-        One GET of ``.metadata`` per job, broadcast to the ranks, instead of
-        one per rank: at 4,096 ranks and a 42 MB ``.metadata`` (see
-        docs/scale.md) W GETs are 172 GB out of the bucket and 4,096 requests
-        on one key in the same second, where S3 serves about 5,500 GETs/s
-        per prefix.  The coordinator rather than one rank per node, because
-        gloo's broadcast is a binomial tree: each rank receives the bytes
-        once and forwards them at most log2(W) times (12 at 4,096 ranks), so
-        no single sender carries W copies, and no node-local groups need
-        setting up.  Every rank still unpickles the bytes itself, with its
-        own allow-list.
+        One GET of ``.metadata`` per job instead of one per rank: at 4,096
+        ranks and a 42 MB ``.metadata`` (see docs/scale.md) W GETs are 172 GB
+        out of the bucket and 4,096 requests on one key in the same second,
+        where S3 serves about 5,500 GETs/s per prefix.  The other ranks then
+        read their share of the resume index; without a usable index the
+        bytes are broadcast.  The coordinator rather than one rank per node,
+        because gloo's broadcast is a binomial tree: each rank receives the
+        bytes once and forwards them at most log2(W) times (12 at 4,096
+        ranks), so no single sender carries W copies, and no node-local
+        groups need setting up.  Every rank still unpickles the bytes
+        itself, with its own allow-list.
         """
         try:
             if step is None:

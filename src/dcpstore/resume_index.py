@@ -30,6 +30,7 @@ whose offsets hash predictably, are capped per fqn (``MAX_CHUNKS_PER_FQN``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import zlib
@@ -47,6 +48,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 
 from . import planner_data
 
@@ -63,7 +65,15 @@ _MEMORY_FORMATS = {str(v).removeprefix("torch."): v for v in vars(torch).values(
 
 
 class IndexUnusable(ValueError):
-    """The index cannot stand in for ``.metadata`` here; the message says why (for the fallback's log line)."""
+    """The index cannot stand in for ``.metadata`` here; the message says why (for the fallback's log line).
+
+    ``damaged``: something is wrong (worth a warning), rather than an index
+    that is absent or made for another world size (an ordinary fallback).
+    """
+
+    def __init__(self, message: str, *, damaged: bool = True):
+        super().__init__(message)
+        self.damaged = damaged
 
 
 def index_key(save_id: str) -> str:
@@ -215,11 +225,13 @@ def directory(metadata: Metadata, world_size: int) -> dict[str, Any]:
     """The index directory a parsed ``.metadata`` names, if it fits a job of ``world_size``; raises ``IndexUnusable``."""
     entry = planner_data.read_index_directory(metadata)
     if entry is None:
-        raise IndexUnusable("the checkpoint has no resume index")
+        raise IndexUnusable("the checkpoint has no resume index", damaged=False)
     if not isinstance(entry, dict) or entry.get("version") != VERSION or not isinstance(entry.get("blocks"), list):
         raise IndexUnusable("the resume index entry in .metadata is not one this dcpstore reads")
-    if entry.get("world_size") != world_size or len(entry["blocks"]) != world_size:
-        raise IndexUnusable(f"saved by {entry.get('world_size')} ranks, loaded by {world_size}")
+    if entry.get("world_size") != world_size:
+        raise IndexUnusable(f"saved by {entry.get('world_size')} ranks, loaded by {world_size}", damaged=False)
+    if len(entry["blocks"]) != world_size:
+        raise IndexUnusable(f"the resume index has {len(entry['blocks'])} blocks for {world_size} ranks")
     save_id = metadata.storage_meta.save_id if metadata.storage_meta is not None else None
     if entry.get("save_id") != save_id or entry.get("key") != index_key(str(save_id)):
         raise IndexUnusable("the resume index belongs to another save than this .metadata")
@@ -278,22 +290,20 @@ def check(store, metadata: Metadata, sizes: dict[str, int], deep: bool) -> list[
     return problems
 
 
+@dataclasses.dataclass(frozen=True)
 class Share:
     """A rank's share of a checkpoint, as its index block gives it."""
 
-    def __init__(self, metadata: Metadata, local_plan: SavePlan | None, final_plan: SavePlan | None):
-        self.metadata = metadata  # only this rank's chunks, and where they lie
-        self.local_plan = local_plan  # for the plan cache; None when its planner_data was not encodable
-        self.final_plan = final_plan
+    metadata: Metadata  # only this rank's chunks, and where they lie
+    local_plan: SavePlan | None  # for the plan cache; None when its planner_data was not encodable
+    final_plan: SavePlan | None
 
 
 def share_metadata(block: dict[str, Any], entry: dict[str, Any], url: str) -> Share:
     """The ``Metadata`` of one rank's share, and its plans; raises ``IndexUnusable`` on anything malformed."""
     try:
         fqn_mds: list[tuple[str, Any]] = [_fqn_metadata(row) for row in block["fqns"]]
-        sdm: dict[str, Any] = {}
-        for fqn, md in fqn_mds:
-            sdm[fqn] = md
+        sdm: dict[str, Any] = dict(fqn_mds)
         storage_data: dict[MetadataIndex, _StorageInfo] = {}
         checksums: dict[MetadataIndex, int] = {}
         local_items: list[WriteItem] = []
@@ -397,8 +407,6 @@ def covers(metadata: Metadata, flat_state_dict: dict[str, Any]) -> str | None:
     shards of a ``LocalShardsWrapper``), each saved as that very chunk.  A
     resharded load needs chunks of other ranks: ``.metadata``.
     """
-    from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
-
     sdm = metadata.state_dict_metadata
     for key, value in flat_state_dict.items():
         md = sdm.get(key)

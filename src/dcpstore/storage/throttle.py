@@ -12,10 +12,11 @@ key range: reads and writes apart, shared by every store and thread of the
 process.  A throttled answer cuts the rate by ``BETA`` (once per round of
 requests: answers to requests sent before the cut do not cut again), every
 success raises it by ``GROWTH`` of itself, more the longer the range has
-gone unthrottled, as TCP's congestion control probes for capacity.  botocore's adaptive retry mode does the same per client with a
-cubic curve, but it paces a whole client (every bucket and key range
-alike) and only inside botocore's retry handler, which dcpstore turns off
-to keep one retry policy (see ``s3.client_config``).
+gone unthrottled, as TCP's congestion control probes for capacity.
+botocore's adaptive retry mode does the same per client with a cubic curve,
+but it paces a whole client (every bucket and key range alike) and only
+inside botocore's retry handler, which dcpstore turns off to keep one retry
+policy (see ``s3.client_config``).
 
 A key range here is a key's parent "folder" in its bucket: the objects of
 one checkpoint share one, and ``ObjectStoreWriter(key_spread=...)`` gives
@@ -47,7 +48,7 @@ TTL = 600.0  # seconds a key range's learned rate is kept unused
 
 
 class RequestRate:
-    """The pace of one key range's reads or writes in this process (AIMD)."""
+    """The pace of one key range's reads or writes in this process (multiplicative cut and growth)."""
 
     # A throttled answer multiplies the rate by BETA, each success by
     # 1 + GROWTH.  A gentle cut with slow regrowth, not TCP's halving: at a
