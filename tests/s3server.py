@@ -154,6 +154,8 @@ class FaultProxy:
         self.requests: list[tuple[str, str]] = []
         self.headers: list[tuple[str, str, dict[str, str]]] = []  # (method, path, request headers)
         self.throttle: ThrottleModel | None = None  # S3's rate limit, applied to requests no rule faults
+        # Enforce If-Match on CompleteMultipartUpload as AWS does (moto 5.2 ignores it there).
+        self.if_match_on_completion = False
         self._lock = threading.Lock()
         proxy = self
 
@@ -190,6 +192,8 @@ class FaultProxy:
                 rule = self.rule = proxy._match(self.command, self.path)
                 if rule is None and not proxy._admit(self.command, self.path):
                     rule = Rule(self.command, re.compile(""), status=503, code="SlowDown")
+                if rule is None and proxy.if_match_on_completion and not proxy._completion_matches(self):
+                    rule = Rule(self.command, re.compile(""), status=412, code="PreconditionFailed")
                 if rule is not None and rule.delay:
                     time.sleep(rule.delay)
                 if rule is not None and rule.reset:
@@ -256,9 +260,25 @@ class FaultProxy:
         with self._lock:
             return self.throttle is None or self.throttle.admit(method, path)
 
+    def _completion_matches(self, handler) -> bool:
+        """False for a CompleteMultipartUpload whose ``If-Match`` names another ETag than the object's (one HEAD upstream)."""
+        wanted = handler.headers.get("If-Match")
+        if handler.command != "POST" or "uploadId=" not in handler.path or not wanted:
+            return True
+        import boto3
+        import botocore.exceptions
+
+        bucket, _, key = urllib.parse.unquote(handler.path.split("?", 1)[0]).lstrip("/").partition("/")
+        try:
+            etag = boto3.client("s3", endpoint_url=f"http://{self.upstream}").head_object(Bucket=bucket, Key=key)["ETag"]
+        except botocore.exceptions.ClientError:
+            return False
+        return etag.strip('"') == wanted.strip('"')
+
     def clear(self) -> None:
         with self._lock:
             self.throttle = None
+            self.if_match_on_completion = False
             self.rules.clear()
             self.requests.clear()
             self.headers.clear()

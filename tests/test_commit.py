@@ -137,3 +137,101 @@ def test_time_to_an_outcome_when_the_coordinator_dies_at_the_commit(bucket, s3, 
     if after_put:
         for r in run_ranks(load_sharded, 2, f"{root}/step_00000001", "dcpstore").values():
             assert_loaded(r)
+
+
+# -- a .metadata past multipart_threshold ----------------------------------------------
+#
+# At 4,096 ranks x 2,000 items torch's .metadata is about 1.4 GB.  It goes up
+# as a multipart upload whose completion carries the commit's condition.  A
+# threshold of 6 MiB and 5 MiB parts make an 11 MiB .metadata three parts.
+
+IN_PARTS = dcpstore.TransferConfig(
+    part_size=5 << 20,
+    multipart_threshold=6 << 20,
+    connect_timeout=2,
+    read_timeout=10,
+    retry=dcpstore.RetryPolicy(max_attempts=3, initial_backoff=0.01),
+)
+COMPLETION = r"/ckpt/\.metadata\?uploadId="
+
+
+def _commit_in_parts(proxy, bucket, raw, nonce, replaced_etag=None):
+    from dcpstore.commit import write_metadata
+    from dcpstore.storage import open_store
+
+    store = open_store(f"s3://{bucket}/ckpt", {"endpoint_url": proxy.endpoint}, IN_PARTS)
+    try:
+        return write_metadata(store, raw, nonce, replaced_etag=replaced_etag, window=30.0)
+    finally:
+        store.close()
+
+
+def _open_uploads(s3, bucket):
+    return s3.list_multipart_uploads(Bucket=bucket, Prefix="ckpt/").get("Uploads", [])
+
+
+@pytest.mark.also_rgw
+def test_a_large_metadata_commits_in_parts_under_the_condition(bucket, s3, proxy):
+    """moto enforces If-None-Match on the completion; Ceph RGW 16.2 ignores it, and the HEAD before it refuses."""
+    from dcpstore.commit import Outcome
+
+    raw = bytes(range(256)) * (11 * 4096)  # 11 MiB
+    outcome, error = _commit_in_parts(proxy, bucket, raw, "first")
+    assert (outcome, error) == (Outcome.COMMITTED, None)
+    sent = [(m, p) for m, p in proxy.requests if "/ckpt/.metadata" in p]
+    assert sum(1 for m, p in sent if m == "PUT" and "partNumber=" in p) == 3
+    assert not [p for m, p in sent if m == "PUT" and "partNumber=" not in p]  # never one whole PUT
+    completions = [h for m, p, h in proxy.headers if m == "POST" and "uploadId=" in p]
+    assert [h.get("if-none-match") for h in completions] == ["*"]
+    assert s3.get_object(Bucket=bucket, Key="ckpt/.metadata")["Body"].read() == raw
+    assert s3.head_object(Bucket=bucket, Key="ckpt/.metadata")["Metadata"][NONCE_KEY] == "first"
+
+    # Another writer of the same step is refused at the completion, and leaves no parts.
+    proxy.clear()
+    outcome, error = _commit_in_parts(proxy, bucket, raw[::-1], "second")
+    assert outcome is Outcome.REFUSED and isinstance(error, dcpstore.ConditionalWriteError)
+    assert s3.get_object(Bucket=bucket, Key="ckpt/.metadata")["Body"].read() == raw
+    assert _open_uploads(s3, bucket) == []
+
+
+def test_a_large_metadata_whose_completion_answer_is_lost_is_committed(bucket, s3, proxy):
+    """The completion lands, its answer is lost; the retry finds the upload gone or completed: ours, by the HEAD."""
+    from dcpstore.commit import Outcome
+
+    raw = b"m" * (7 << 20)
+    lost = proxy.add("POST", COMPLETION, drop_response=True, times=1)
+    assert _commit_in_parts(proxy, bucket, raw, "mine") == (Outcome.COMMITTED, None)
+    assert lost.hits == 1
+    assert s3.head_object(Bucket=bucket, Key="ckpt/.metadata")["Metadata"][NONCE_KEY] == "mine"
+    assert _open_uploads(s3, bucket) == []
+
+
+def test_a_large_metadata_that_replaces_a_checkpoint_completes_only_over_the_one_it_read(bucket, s3, proxy):
+    """If-Match on the completion.  moto 5.2 ignores it there, so the fault proxy checks it as AWS does (one HEAD)."""
+    from dcpstore.commit import Outcome
+
+    proxy.if_match_on_completion = True
+    old = b"o" * (7 << 20)
+    assert _commit_in_parts(proxy, bucket, old, "old") == (Outcome.COMMITTED, None)
+    read_etag = s3.head_object(Bucket=bucket, Key="ckpt/.metadata")["ETag"]
+    s3.put_object(Bucket=bucket, Key="ckpt/.metadata", Body=b"changed since", Metadata={NONCE_KEY: "other"})
+    outcome, error = _commit_in_parts(proxy, bucket, b"n" * (7 << 20), "new", replaced_etag=read_etag)
+    assert outcome is Outcome.REFUSED and isinstance(error, dcpstore.ConditionalWriteError)
+    assert s3.get_object(Bucket=bucket, Key="ckpt/.metadata")["Body"].read() == b"changed since"
+    assert _open_uploads(s3, bucket) == []
+    current = s3.head_object(Bucket=bucket, Key="ckpt/.metadata")["ETag"]
+    assert _commit_in_parts(proxy, bucket, b"n" * (7 << 20), "new", replaced_etag=current) == (Outcome.COMMITTED, None)
+    assert s3.head_object(Bucket=bucket, Key="ckpt/.metadata")["Metadata"][NONCE_KEY] == "new"
+
+
+def test_a_save_whose_metadata_goes_up_in_parts_loads_with_torchs_reader(bucket, s3):
+    """End to end through dcp.save: .metadata as a one-part upload (threshold 1 byte), read back by FsspecReader."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    sd = sample_state_dict()
+    save(sd, f"s3://{bucket}/ckpt", transfer=dcpstore.TransferConfig(multipart_threshold=1))
+    assert s3.head_object(Bucket=bucket, Key="ckpt/.metadata")["ETag"].strip('"').endswith("-1")  # a multipart ETag
+    out = zeros_like_state_dict(sd)
+    dcp.load(out, storage_reader=FsspecReader(f"s3://{bucket}/ckpt"), no_dist=True)
+    assert_state_dict_equal(out, sd)

@@ -47,14 +47,20 @@ class RetryPolicy:
 class TransferConfig:
     """How objects move.  Defaults follow AWS guidance (8-16 MiB parts).
 
-    An object larger than one part is uploaded in parts; smaller ones go up
-    as one PUT.  Host memory used by uploads is bounded by
+    An object streamed to storage (a shard) that is larger than one part is
+    uploaded in parts, and one in memory when it is larger than
+    ``multipart_threshold``; smaller ones go up as one PUT.  Host memory used by uploads is bounded by
     ``(max_concurrency + number of open writers) * part_size``: part buffers
     are allocated on first use, reused by every store over the same
     connection, and freed when the last of those stores is closed.
     """
 
     part_size: int = 16 * MiB
+    # An in-memory object larger than this (a .metadata of thousands of
+    # ranks, the resume index) goes up as a multipart upload of part_size
+    # parts, completed under the same condition a PUT would carry: never
+    # one huge PUT, and nothing shows until every part is in.
+    multipart_threshold: int = 64 * MiB
     max_concurrency: int = 16
     connect_timeout: float = 10.0
     read_timeout: float = 120.0
@@ -73,6 +79,8 @@ class TransferConfig:
     def __post_init__(self) -> None:
         if self.part_size < 5 * MiB:
             raise ValueError("part_size must be at least 5 MiB (the S3 minimum part size)")
+        if self.multipart_threshold < 1:
+            raise ValueError("multipart_threshold must be >= 1")
         if self.max_concurrency < 1:
             raise ValueError("max_concurrency must be >= 1")
         if self.min_send_rate <= 0:

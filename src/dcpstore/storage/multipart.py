@@ -1,4 +1,4 @@
-"""Streaming an object to S3 in parts while the producer keeps writing.
+"""Objects sent to S3 in parts: streamed while the producer writes, or from memory.
 
 boto3's transfer manager and s3fs's file objects upload from a file or from
 their own buffers; ``torch.save`` instead writes an archive of unknown size
@@ -6,10 +6,18 @@ into a stream, and checkpoint memory must stay bounded.  So dcpstore keeps
 its own writer: ``torch.save`` output lands in pooled part buffers, each
 full buffer is uploaded (with no copy) while the next one fills, and the
 pool bounds how many parts are in flight.
+
+``put_in_parts`` sends a large object that is already in memory (a
+``.metadata`` of thousands of ranks, the resume index) as views of it, and
+completes the upload under the PUT's condition: S3 honours ``If-None-Match``
+and ``If-Match`` on CompleteMultipartUpload, so a commit past
+``TransferConfig.multipart_threshold`` is exactly as conditional as a small
+one, and no object shows before every part is in.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import mmap
@@ -236,3 +244,63 @@ class MultipartObjectWriter(ObjectWriter):
             except Exception as e:  # noqa: BLE001 - tried again in the background, and at close
                 logger.info("could not abort multipart upload of %s yet: %s", self._store.url_for(self._key), e)
                 self._store.abort_later(self._key, self._upload_id)
+
+
+async def put_in_parts(store: S3ObjectStore, key: str, data, request: dict, **conditions) -> None:
+    """Upload ``data`` (bytes-like) to ``key`` as a multipart upload, completed under ``conditions``.
+
+    ``request``: what the PUT would carry (``Metadata``, and the caller's
+    ``deadline`` and ``tries``).  The object's user metadata goes on
+    CreateMultipartUpload; ``deadline`` bounds every request; ``tries``
+    counts the CompleteMultipartUpload attempts, the only request that makes
+    the object appear (and so the only one whose lost answer can leave the
+    outcome unknown).  The condition is also checked by a HEAD just before
+    the completion, for servers that do not enforce it there (Ceph RGW
+    16.2: see README, "Servers").  Parts are views of ``data``, at most
+    ``max_concurrency`` in flight.  Any failure aborts the upload: a refused
+    or failed commit leaves no parts behind (or ``abort_later`` keeps
+    trying).  A retried completion answered ``NoSuchUpload`` means an
+    earlier attempt completed it; the caller's read-back (``_holds``)
+    tells whether the object is ours.
+    """
+    bucket, path = store._split(key)
+    deadline, tries = request.get("deadline"), request.get("tries")
+    extra = {"Metadata": request["Metadata"]} if request.get("Metadata") else {}
+    created = await store._call(
+        "CREATE-MPU", key, "create_multipart_upload", deadline=deadline, Bucket=bucket, Key=path, **extra
+    )
+    upload_id = created["UploadId"]
+    view = memoryview(data).cast("B")
+    size = store.transfer.part_size
+    slots = asyncio.Semaphore(store.transfer.max_concurrency)
+
+    async def send(number: int) -> str:
+        async with slots:
+            resp = await store._call(
+                "UPLOAD-PART", key, "upload_part", deadline=deadline,
+                Bucket=bucket, Key=path, UploadId=upload_id, PartNumber=number + 1,
+                body=view[number * size : (number + 1) * size],
+            )
+        return resp["ETag"]
+
+    try:
+        etags = await asyncio.gather(*(send(n) for n in range(max(1, -(-len(view) // size)))))
+        if conditions:
+            # Ceph RGW (16.2) ignores both conditions on the completion; a HEAD
+            # just before narrows what it lets through to one round trip.
+            await store._check_condition_async(key, "IfNoneMatch" in conditions, conditions.get("IfMatch"))
+        await store._call(
+            "COMPLETE-MPU", key, "complete_multipart_upload", deadline=deadline, tries=tries,
+            Bucket=bucket, Key=path, UploadId=upload_id,
+            MultipartUpload={"Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]},
+            **conditions,
+        )
+    except BaseException as e:
+        if isinstance(e, ObjectNotFoundError) and tries is not None and tries.count > 1:
+            raise  # NoSuchUpload to a retried completion: an earlier attempt completed it
+        try:
+            await store._abort(key, upload_id)
+        except Exception as abort_error:  # noqa: BLE001 - kept trying in the background, and at close
+            logger.info("could not abort multipart upload of %s yet: %s", store.url_for(key), abort_error)
+            store.abort_later(key, upload_id)
+        raise

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import itertools
 import logging
 import math
 import random
 import threading
 import time
+import uuid
 from typing import Any, Iterable
 
 from ..errors import ConditionalWriteError, CorruptCheckpointError, ObjectNotFoundError, UnsupportedByStoreError
@@ -37,13 +39,14 @@ from .base import (
 )
 from .body import BufferSink, ViewBody
 from .config import TransferConfig
-from .multipart import MultipartObjectWriter
+from .multipart import MultipartObjectWriter, put_in_parts
 from .throttle import RATES, RequestRate, key_range
 from .translate import gave_up, is_throttle, throttled_out
 
 logger = logging.getLogger(__name__)
 
 S3_SCHEMES = ("s3", "s3a")
+WRITE_TOKEN_KEY = "dcpstore-write"  # x-amz-meta of a conditional write: which writer's object storage holds
 ABORT_ROUNDS = 5  # background rounds of a failed abort, each under the retry policy, max_backoff apart
 
 # Requests S3 counts against a key range's write rate; the rest are reads.
@@ -276,29 +279,40 @@ class S3ObjectStore(ObjectStore):
         return self._submit(self._put(key, data, if_none_match, if_match, request))
 
     async def _put(self, key: str, data, if_none_match: bool, if_match: str | None, request: dict) -> None:
+        """One PUT, or past ``multipart_threshold`` a multipart upload, under the same condition.
+
+        A conditional or multipart write is tagged with a token of its own
+        (user metadata ``WRITE_TOKEN_KEY``), so that after a lost answer one
+        HEAD tells our object from another writer's (``_holds``).
+        """
         bucket, path = self._split(key)
         conditions = {}
         if if_none_match:
             conditions["IfNoneMatch"] = "*"
         if if_match:
             conditions["IfMatch"] = if_match
+        in_parts = memoryview(data).nbytes > self.transfer.multipart_threshold
+        if conditions or in_parts:
+            request = {**request, "Metadata": {**request.get("Metadata", {}), WRITE_TOKEN_KEY: uuid.uuid4().hex}}
+        if in_parts:
+            send = functools.partial(put_in_parts, self, key, data, request)
+        else:
+            send = functools.partial(self._call, "PUT", key, "put_object", body=data, Bucket=bucket, Key=path, **request)
         try:
-            await self._call("PUT", key, "put_object", body=data, Bucket=bucket, Key=path, **conditions, **request)
-        except ConditionalWriteError:
+            await send(**conditions)
+        except (ConditionalWriteError, ObjectNotFoundError):
             # After a lost response, our own earlier attempt may be what the
             # condition now sees (resent by us, or by aiohttp, which resends
-            # a PUT once when a kept-alive connection drops).  An object that
-            # holds exactly our bytes means the write took effect.
-            if await self._holds(key, data):
+            # a PUT once when a kept-alive connection drops), or what made a
+            # retried CompleteMultipartUpload find no upload.
+            if (conditions or in_parts) and await self._holds(key, data, request["Metadata"][WRITE_TOKEN_KEY]):
                 return
             if if_match and if_match.startswith('"') and await self._etag(key) == if_match:
                 # The object is still the one we read, so the 412 was the
                 # server's: Ceph RGW matches If-Match only against the bare
                 # hex of the quoted ETag its own GET returns.  Once more,
                 # bare; a change since the HEAD still fails the condition.
-                await self._call(
-                    "PUT", key, "put_object", body=data, Bucket=bucket, Key=path, IfMatch=if_match.strip('"'), **request
-                )
+                await send(IfMatch=if_match.strip('"'))
                 return
             raise
         except UnsupportedByStoreError:
@@ -310,10 +324,21 @@ class S3ObjectStore(ObjectStore):
                 self.url_for(key),
             )
             await self._check_condition_async(key, if_none_match, if_match)
-            await self._call("PUT", key, "put_object", body=data, Bucket=bucket, Key=path, **request)
+            await send()
 
-    async def _holds(self, key: str, data) -> bool:
+    async def _holds(self, key: str, data, token: str) -> bool:
+        """Whether the object at ``key`` is the one a write tagged ``token`` sent.
+
+        One HEAD where the store keeps user metadata; where it drops it, the
+        bytes are compared (a GET, only when the sizes match).
+        """
+        bucket, path = self._split(key)
         try:
+            head = await self._call("HEAD", key, "head_object", Bucket=bucket, Key=path)
+            if WRITE_TOKEN_KEY in head.get("Metadata", {}):
+                return head["Metadata"][WRITE_TOKEN_KEY] == token
+            if int(head["ContentLength"]) != memoryview(data).nbytes:
+                return False
             return await self._get_object(key) == bytes(data)
         except ObjectNotFoundError:
             return False
