@@ -1,5 +1,8 @@
 """The resume index: a restarted rank reads its own share of a checkpoint, not the whole job's ``.metadata``."""
 
+import json
+import zlib
+
 import pytest
 import torch
 
@@ -13,8 +16,12 @@ from dcpstore.cli import main
 from dcpstore.planner_data import INDEX_KEY, split
 
 
-def _directory(s3, bucket, prefix):
-    return split(read_metadata_raw(s3, bucket, prefix).planner_data)[1][INDEX_KEY]
+def _index(s3, bucket, prefix):
+    """The index pointer ``.metadata`` holds, and the directory it names (read straight from the object)."""
+    pointer = split(read_metadata_raw(s3, bucket, prefix).planner_data)[1][INDEX_KEY]
+    offset, length, _ = pointer["directory"]
+    body = s3.get_object(Bucket=bucket, Key=f"{prefix}/{pointer['key']}", Range=f"bytes={offset}-{offset + length - 1}")
+    return pointer, json.loads(zlib.decompress(body["Body"].read()))
 
 
 def _index_gets(proxy, prefix):
@@ -31,17 +38,21 @@ def _index_gets(proxy, prefix):
 def test_each_rank_resumes_from_its_own_block_with_one_ranged_get(world_size, bucket, s3, proxy):
     root = f"s3://{bucket}/run"
     (_, final, _), *_ = run_ranks(checkpointer_three_saves, world_size, root, "central").values()
-    directory = _directory(s3, bucket, "run/step_00000030")
+    pointer, directory = _index(s3, bucket, "run/step_00000030")
     assert directory["world_size"] == world_size and len(directory["blocks"]) == world_size
-    index_size = s3.head_object(Bucket=bucket, Key=f"run/step_00000030/{directory['key']}")["ContentLength"]
-    assert index_size == directory["size"]
+    head = s3.head_object(Bucket=bucket, Key="run/step_00000030/.metadata")
+    assert head["Metadata"][resume_index.INDEX_TAG] == ":".join(map(str, pointer["directory"]))
+    index_size = s3.head_object(Bucket=bucket, Key=f"run/step_00000030/{pointer['key']}")["ContentLength"]
+    assert index_size == pointer["size"]
 
     proxy.clear()
     results = run_ranks(checkpointer_resume_logged, world_size, root, proxy.endpoint)
-    # .metadata: the coordinator's HEAD (commit order) and its one GET; no rank but it parses .metadata.
-    assert [m for m, p in proxy.requests if p.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "GET"]
-    # Every other rank: exactly its block, one ranged GET (the coordinator has .metadata already).
-    blocks = {(offset, offset + length) for offset, length, _ in directory["blocks"][1:]}
+    # .metadata: the coordinator's HEADs (commit order; the index's pointer), then its one GET of it,
+    # for the next commit, on a thread of its own after the load: no rank parses .metadata to resume.
+    assert [m for m, p in proxy.requests if p.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "HEAD", "GET"]
+    # The coordinator GETs the directory; every rank, the coordinator too, exactly its block: one ranged GET each.
+    offset, length, _ = pointer["directory"]
+    blocks = [(offset, offset + length)] + [(start, start + size) for start, size, _ in directory["blocks"]]
     assert sorted(_index_gets(proxy, "step_00000030")) == sorted(blocks)
     for rank, ((step, loaded, counts, reused, expected, reloaded), logged) in results.items():
         assert step == 30
@@ -56,8 +67,9 @@ def test_a_resharded_resume_reads_metadata(bucket, s3, proxy):
     (_, final, _), *_ = run_ranks(checkpointer_three_saves, 4, root, "central").values()
     proxy.clear()
     results = run_ranks(checkpointer_resume_logged, 2, root, proxy.endpoint)
-    assert _index_gets(proxy, "step_00000030") == []
-    assert [m for m, p in proxy.requests if p.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "GET"]
+    offset, length, _ = _index(s3, bucket, "run/step_00000030")[0]["directory"]
+    assert _index_gets(proxy, "step_00000030") == [(offset, offset + length)]  # the directory says: 4 ranks
+    assert [m for m, p in proxy.requests if p.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "HEAD", "GET"]
     for (step, loaded, *_rest), _logged in results.values():
         assert step == 30
         assert_same(loaded, final)
@@ -67,16 +79,18 @@ def test_a_resharded_resume_reads_metadata(bucket, s3, proxy):
 def test_a_missing_or_damaged_index_falls_back_to_metadata_with_a_warning(damage, bucket, s3, proxy):
     root = f"s3://{bucket}/run"
     (_, final, _), *_ = run_ranks(checkpointer_three_saves, 2, root, "central").values()
-    key = f"run/step_00000030/{_directory(s3, bucket, 'run/step_00000030')['key']}"
+    pointer, directory = _index(s3, bucket, "run/step_00000030")
+    key = f"run/step_00000030/{pointer['key']}"
     step_url = f"{root}/step_00000030"
     assert main(["verify", step_url, "--deep"]) == 0
     body = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
-    if damage == "deleted":
+    if damage == "deleted":  # the coordinator finds no index
         s3.delete_object(Bucket=bucket, Key=key)
-    elif damage == "corrupted":
-        body[-3] ^= 0xFF  # in rank 1's block, the last: its hash no longer matches
+    elif damage == "corrupted":  # rank 1's block no longer matches its hash: rank 1 falls back, so all do
+        start, length, _ = directory["blocks"][1]
+        body[start + length // 2] ^= 0xFF
         s3.put_object(Bucket=bucket, Key=key, Body=bytes(body))
-    else:
+    else:  # the directory, last in the object, is cut short
         s3.put_object(Bucket=bucket, Key=key, Body=bytes(body[:-10]))
     assert main(["verify", step_url, "--deep"]) == 1  # dcpstore verify names the damage
     proxy.clear()
@@ -85,10 +99,12 @@ def test_a_missing_or_damaged_index_falls_back_to_metadata_with_a_warning(damage
         assert step == 30
         assert_same(loaded, final)  # bit-exact from .metadata
         assert_same(reloaded, expected)
-        if rank == 1:
-            assert any(r.startswith("WARNING") and "falls back to .metadata" in r for r in logged), logged
+        warned = rank == 1 if damage == "corrupted" else rank == 0
+        fallback = "falls back to .metadata" if damage == "corrupted" else "every rank reads .metadata"
+        if warned:
+            assert any(r.startswith("WARNING") and fallback in r for r in logged), logged
     # The fallback is the coordinator's one GET, broadcast: rank 1 never GETs .metadata itself.
-    assert [m for m, p in proxy.requests if p.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "GET"]
+    assert [m for m, p in proxy.requests if p.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "HEAD", "GET"]
 
 
 def _tensor_row(fqn="w", dtype="float32", size=(4,)):

@@ -42,6 +42,7 @@ import dataclasses
 import datetime
 import logging
 import random
+import threading
 import time
 import warnings
 from typing import Any, Callable
@@ -70,7 +71,7 @@ from .errors import (
 )
 from .layout import METADATA_KEY, committed_steps, delete_committed_step, step_prefix
 from .plan_cache import CachedPlan, PlanCache
-from .reader import ObjectStoreReader, check_state_dict, read_metadata_bytes
+from .reader import ObjectStoreReader, check_state_dict, parse_metadata, read_metadata_bytes
 from .staging import StagedItems, StagingPool
 from .steps import CommitOrder, CommitRecord, retained
 from .storage import TransferConfig, normalize_url, open_store
@@ -637,46 +638,37 @@ class AsyncCheckpointer:
         """
         self.wait()
         coordinator = self._coll.is_coordinator
-        reader = metadata = raw = None
+        reader = metadata = raw = share = None
         try:
-            # The coordinator GETs and parses .metadata; the others get the
-            # step and the resume index's directory (see resume_index).
+            # The coordinator finds the step and the resume index (one HEAD
+            # of .metadata), and sends each rank the step and its own
+            # directory entry: a few hundred bytes, not W of them.
             shared: Any = self._find_for_load(step) if coordinator else None
             if coordinator and not isinstance(shared, BaseException):
-                step, raw = shared
-                try:
-                    reader = self._reader(step, allow_globals, allow_unsafe_pickle)
-                    metadata = reader.use_metadata_bytes(raw)
-                    directory = self._index_directory(metadata, self.step_url(step))
-                    shared = [
-                        (step, resume_index.rank_entry(directory, r) if directory is not None else None)
-                        for r in range(self.world_size)
-                    ]
-                except DcpstoreError as e:
-                    shared = e
-                except Exception as e:  # noqa: BLE001 - the peers wait in the scatter: they must hear of it
-                    shared = DcpstoreError(f"{self.step_url(step)}: reading .metadata failed: {_describe(e)}")
-                    shared.__cause__ = e
-            if coordinator and isinstance(shared, BaseException):
+                step, directory, raw = shared
+                shared = [(step, resume_index.rank_entry(directory, r) if directory else None) for r in range(self.world_size)]
+            elif coordinator:
                 shared = [shared] * self.world_size
-            # Each rank gets its own directory entry: a few hundred bytes, not W of them.
             shared = self._coll.scatter(shared)
             if isinstance(shared, BaseException):
                 raise shared
-            step, directory = shared
+            step, entry = shared
             url = self.step_url(step)
-            if reader is None:
-                reader = self._reader(step, allow_globals, allow_unsafe_pickle)
+            reader = self._reader(step, allow_globals, allow_unsafe_pickle)
             flat_sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
-            share = None
-            if directory is not None and not coordinator:
-                share = self._read_share(reader, directory, flat_sd, url)
-            if directory is None or not self._coll.all_min([int(coordinator or share is not None)])[0]:
-                raw = self._coll.broadcast(raw)  # one GET per job: see _find_for_load
-                if not coordinator:
-                    metadata = reader.use_metadata_bytes(raw)
-            elif share is not None:
+            if entry is not None:
+                share = self._read_share(reader, entry, flat_sd, url)
+            if entry is not None and self._coll.all_min([int(share is not None)])[0]:
                 metadata = reader.use_metadata(share.metadata)
+            else:
+                # Every rank reads .metadata: the coordinator's one GET, broadcast.
+                share = None
+                if coordinator and raw is None:
+                    raw = self._metadata_bytes(step)
+                raw = self._coll.broadcast(raw)
+                if isinstance(raw, BaseException):
+                    raise raw
+                metadata = reader.use_metadata_bytes(raw)
             check_state_dict(flat_sd, metadata, url)
             with warnings.catch_warnings():
                 # dcp.load warns whenever no_dist is set; a single process is intended here.
@@ -691,7 +683,9 @@ class AsyncCheckpointer:
         self._parent = step
         if share is not None:
             self.plan_cache.fill_from_share(
-                share.local_plan, share.final_plan, rank=self.rank, world_size=self.world_size, planner=self.planner_factory()
+                share.local_plan, share.final_plan, rank=self.rank, world_size=self.world_size,
+                planner=self.planner_factory(),
+                global_state=self._global_state_later(step, allow_globals, raw) if coordinator else None,
             )
             return step
         # The writer only assigns storage prefixes here; it sends no request.
@@ -713,49 +707,65 @@ class AsyncCheckpointer:
             allow_unsafe_pickle=allow_unsafe_pickle,
         )
 
-    def _index_directory(self, metadata: Metadata, url: str) -> dict | None:
-        """On the coordinator: the resume index directory to hand out, or ``None`` (every rank reads ``.metadata``)."""
-        if self.world_size == 1:
-            return None  # the coordinator alone: it has .metadata already
+    def _read_share(self, reader: ObjectStoreReader, entry: dict, flat_sd: dict, url: str) -> resume_index.Share | None:
+        """This rank's share of the checkpoint from its index block (``entry``), or ``None`` (logged) to read ``.metadata``."""
         try:
-            return resume_index.directory(metadata, self.world_size)
-        except resume_index.IndexUnusable as e:
-            (logger.warning if e.damaged else logger.info)(
-                "%s: not resuming from the resume index (%s); every rank reads .metadata", url, e
-            )
-            return None
-
-    def _read_share(self, reader: ObjectStoreReader, directory: dict, flat_sd: dict, url: str):
-        """This rank's share of the checkpoint from its index block (``directory``: its entry), or ``None`` (logged) to read ``.metadata``."""
-        try:
-            share = resume_index.share_metadata(resume_index.read_block(reader.store, directory), directory, url)
             flat, _ = flatten_state_dict(_flatten_sharded_tensors(flat_sd))
-            why = resume_index.covers(share.metadata, flat)
+            return resume_index.read_share(reader.store, entry, flat, url)
         except resume_index.IndexUnusable as e:
-            logger.warning("%s: rank %d falls back to .metadata: %s", url, self.rank, e)
-            return None
+            (logger.warning if e.damaged else logger.info)("%s: rank %d falls back to .metadata: %s", url, self.rank, e)
         except Exception as e:  # noqa: BLE001 - every rank must reach the all_min that decides the fallback
             logger.warning("%s: rank %d could not use its resume index block (%s); falls back to .metadata", url, self.rank, _describe(e))
-            return None
-        if why is not None:
-            logger.info("%s: rank %d reads .metadata: %s", url, self.rank, why)
-            return None
-        return share
+        return None
 
-    def _find_for_load(self, step: int | None) -> tuple[int, bytes] | BaseException:
-        """On the coordinator: the step to load and its ``.metadata`` bytes, or the error for every rank.
+    def _metadata_bytes(self, step: int) -> bytes | BaseException:
+        """On the coordinator: ``.metadata``'s bytes to broadcast, or the error every rank raises."""
+        child = self.store.child(step_prefix(step))
+        try:
+            return read_metadata_bytes(child)
+        except Exception as e:  # noqa: BLE001 - the peers wait in the broadcast: they must hear of it
+            return e if isinstance(e, DcpstoreError) else DcpstoreError(f"{self.step_url(step)}: reading .metadata failed: {_describe(e)}")
+        finally:
+            child.close()
 
-        One GET of ``.metadata`` per job instead of one per rank: at 4,096
-        ranks and a 42 MB ``.metadata`` (see docs/scale.md) W GETs are 172 GB
-        out of the bucket and 4,096 requests on one key in the same second,
-        where S3 serves about 5,500 GETs/s per prefix.  The other ranks then
-        read their share of the resume index; without a usable index the
-        bytes are broadcast.  The coordinator rather than one rank per node,
-        because gloo's broadcast is a binomial tree: each rank receives the
-        bytes once and forwards them at most log2(W) times (12 at 4,096
-        ranks), so no single sender carries W copies, and no node-local
-        groups need setting up.  Every rank still unpickles the bytes
-        itself, with its own allow-list.
+    def _global_state_later(self, step: int, allow_globals: tuple, raw: bytes | None) -> concurrent.futures.Future:
+        """What the coordinator commits the next save with (global ``Metadata``, compact plans), read off the training thread.
+
+        A coordinator that resumed from its share has only its own plans.
+        ``.metadata`` (O(W x N): 22 MB at 64 x 2,000, about 1.4 GB at 4,096 x
+        2,000) is read and parsed here, in a thread of its own, while
+        training goes on; the first save waits for it on its background
+        thread (``PlanCache.lookup``).
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def read() -> None:
+            reader = self._reader(step, allow_globals, allow_unsafe_pickle=False)
+            try:
+                metadata = reader.read_metadata() if raw is None else reader.use_metadata_bytes(raw)
+                future.set_result(PlanCache.coordinator_state(metadata))
+            except BaseException as e:  # noqa: BLE001 - lookup logs it and the save plans in full
+                future.set_exception(e)
+            finally:
+                reader.close()
+
+        threading.Thread(target=read, name="dcpstore-global-plan", daemon=True).start()
+        return future
+
+    def _find_for_load(self, step: int | None) -> tuple[int, dict | None, bytes | None] | BaseException:
+        """On the coordinator: the step to load, its resume index directory and/or ``.metadata`` bytes, or the error for every rank.
+
+        The index is found with one HEAD of ``.metadata`` (``resume_index``):
+        no rank parses ``.metadata`` on the way to resuming the same
+        structure.  Without a usable index (a single rank, another world
+        size, an older checkpoint or torch's, a store without user
+        metadata, a damaged index), ``.metadata`` is read here, once per job,
+        and broadcast: at 4,096 ranks and a 42 MB ``.metadata`` (see
+        docs/scale.md) W GETs would be 172 GB out of the bucket and 4,096
+        requests on one key in the same second, where S3 serves about 5,500
+        GETs/s per prefix.  gloo's broadcast is a binomial tree: each rank
+        receives the bytes once and forwards them at most log2(W) times.
+        Every rank still unpickles the bytes itself, with its own allow-list.
         """
         try:
             if step is None:
@@ -765,16 +775,41 @@ class AsyncCheckpointer:
                 step = steps[-1]
             child = self.store.child(step_prefix(step))
             try:
-                return step, read_metadata_bytes(child)
+                return (step, *self._index_directory(child, step))
             finally:
                 child.close()
         except DcpstoreError as e:
             return e
-        except Exception as e:  # noqa: BLE001 - the peers must not wait for a broadcast that never comes
+        except Exception as e:  # noqa: BLE001 - the peers must not wait for a scatter that never comes
             where = self.step_url(step) if step is not None else self.root
             error = DcpstoreError(f"{where}: finding the checkpoint to load failed: {_describe(e)}")
             error.__cause__ = e
             return error
+
+    def _index_directory(self, store, step: int) -> tuple[dict | None, bytes | None]:
+        """The resume index directory of ``step`` (``None``, logged, when every rank is to read ``.metadata``), and ``.metadata``'s bytes if read.
+
+        A store without user metadata (``file://``) names the index only
+        inside ``.metadata``: the coordinator reads it, and its bytes serve
+        the plan cache later (``_global_state_later``).
+        """
+        raw = None
+        try:
+            if self.world_size == 1:
+                raise resume_index.IndexUnusable("a single rank reads .metadata", damaged=False)
+            pointer = resume_index.pointer_from_head(store)
+            if pointer is None and not store.has_user_metadata:
+                raw = read_metadata_bytes(store)
+                pointer = resume_index.pointer_of(parse_metadata(raw, store.url_for(METADATA_KEY)))
+            if pointer is None:
+                raise resume_index.IndexUnusable("the checkpoint has no resume index", damaged=False)
+            return resume_index.read_directory(store, pointer, self.world_size), raw
+        except resume_index.IndexUnusable as e:
+            if self.world_size > 1:
+                (logger.warning if e.damaged else logger.info)(
+                    "%s: not resuming from the resume index (%s); every rank reads .metadata", self.step_url(step), e
+                )
+            return None, raw if raw is not None else read_metadata_bytes(store)
 
     # -- lifecycle ----------------------------------------------------------------------
 

@@ -36,12 +36,12 @@ import time
 
 from . import planner_data
 from .errors import ConditionalWriteError, DcpstoreError, ObjectNotFoundError
-from .layout import METADATA_KEY
+from .layout import METADATA_KEY, NONCE_KEY
 from .reader import parse_metadata
 from .storage import ObjectStore, Tries
 
-# What a commit tags .metadata with, as user metadata (x-amz-meta-*):
-NONCE_KEY = "dcpstore-save"  # the nonce of the save that wrote it (= StorageMeta.save_id)
+# What a commit tags .metadata with, as user metadata (x-amz-meta-*): NONCE_KEY
+# (layout), the nonce of the save that wrote it (= StorageMeta.save_id), and
 SEQUENCE_KEY = "dcpstore-seq"  # a checkpointer's commit sequence (see steps)
 PARENT_KEY = "dcpstore-parent"  # the step that commit continued from (see steps)
 

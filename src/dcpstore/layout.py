@@ -13,6 +13,9 @@ import re
 from .storage import ObjectStore
 
 METADATA_KEY = ".metadata"  # a DCP checkpoint exists exactly when this object does
+# User metadata (x-amz-meta-*) of a committed .metadata: the nonce of the save
+# that wrote it (= StorageMeta.save_id inside it; see commit).
+NONCE_KEY = "dcpstore-save"
 
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 

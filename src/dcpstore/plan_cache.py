@@ -20,6 +20,7 @@ differs from ``DefaultSavePlanner``'s still redo the global step over all plans.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 
@@ -44,6 +45,10 @@ class CachedPlan:
     # What the coordinator's writer persists: the full local plans, or their
     # compact form (after a restart); None elsewhere.
     all_local_plans: list[SavePlan] | dict | None = None
+    # On a coordinator resumed from its share of the resume index: the
+    # (metadata, all_local_plans) above, still being read from .metadata off
+    # the training thread (see PlanCache.fill_from_share).
+    pending: concurrent.futures.Future | None = None
 
 
 _GLOBAL_STEP = ("create_global_plan", "_create_global_plan", "_dedup_save_plans", "_create_global_plan_with_caching")
@@ -70,10 +75,26 @@ class PlanCache:
         return self._entry
 
     def lookup(self, local_plan: SavePlan, world_size: int) -> CachedPlan | None:
+        """The cached plan for ``local_plan``, or ``None``; waits for a coordinator's pending global state.
+
+        Called on the save's background thread, so the wait (a coordinator
+        that resumed from the index and still reads ``.metadata``) delays
+        the first commit, not training.
+        """
         entry = self._entry
         if entry is None or entry.world_size != world_size:
             return None
-        return entry if same_plan(entry.local_plan, planner_data.strip_plan(local_plan)) else None
+        if not same_plan(entry.local_plan, planner_data.strip_plan(local_plan)):
+            return None
+        if entry.pending is not None:
+            try:
+                entry.metadata, entry.all_local_plans = entry.pending.result()
+            except Exception as e:  # noqa: BLE001 - the save plans in full instead
+                logger.warning("reading the checkpoint's global plan failed (%s): this save plans in full", e)
+                self.clear()
+                return None
+            entry.pending = None
+        return entry
 
     def store(self, entry: CachedPlan) -> None:
         entry.local_plan = planner_data.strip_plan(entry.local_plan)
@@ -138,10 +159,23 @@ class PlanCache:
         return True
 
     def fill_from_share(
-        self, local: SavePlan | None, final: SavePlan | None, *, rank: int, world_size: int, planner: SavePlanner
+        self,
+        local: SavePlan | None,
+        final: SavePlan | None,
+        *,
+        rank: int,
+        world_size: int,
+        planner: SavePlanner,
+        global_state: concurrent.futures.Future | None = None,
     ) -> bool:
-        """Prime a non-coordinator's cache from its share of the resume index: its own plans, nothing of the job's."""
-        if local is None or final is None or rank == 0 or not default_global_step(planner):
+        """Prime the cache from this rank's share of the resume index: its own plans, nothing of the job's.
+
+        The coordinator also needs what it commits with (the global
+        ``Metadata`` and the compact plans, O(W x N)): ``global_state``, a
+        future of ``(metadata, compact)`` that ``lookup`` waits for.
+        """
+        coordinator = rank == 0
+        if local is None or final is None or (coordinator and global_state is None) or not default_global_step(planner):
             self.clear()
             return False
         self.store(
@@ -149,11 +183,18 @@ class PlanCache:
                 local_plan=local,
                 central_plan=dataclasses.replace(final, storage_data=_StoragePrefix(f"__{rank}_")),
                 world_size=world_size,
-                metadata=None,
-                all_local_plans=None,
+                pending=global_state if coordinator else None,
             )
         )
         return True
+
+    @staticmethod
+    def coordinator_state(metadata: Metadata) -> tuple[Metadata, dict]:
+        """What a coordinator resumed from its share still needs of ``metadata``: the global ``Metadata`` and the compact plans."""
+        compact = planner_data.read_compact(metadata)
+        if compact is None:
+            raise ValueError("the checkpoint holds no compact plans")
+        return PlanCache.global_metadata(metadata), compact
 
     @staticmethod
     def global_metadata(metadata: Metadata) -> Metadata:

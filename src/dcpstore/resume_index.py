@@ -9,13 +9,18 @@ item), and its plan for the next save.
 
 So ``finish()`` also writes, before ``.metadata``, one object of blocks laid
 rank-major: block ``r`` is rank ``r``'s share, JSON compressed with zlib.
-The directory (each block's offset, length and SHA-256, the save's nonce,
-the world size) goes into ``.metadata``'s ``planner_data`` under
-``planner_data.INDEX_KEY``: the coordinator, which parses ``.metadata`` anyway, checks
-the index against the commit that names it and sends each rank its own
-directory entry (``rank_entry``); each other rank GETs its own block with one
-ranged GET, checks its hash, and builds a ``Metadata`` holding only its
-chunks (``share_metadata``).
+After the blocks comes the directory: each block's offset, length and
+SHA-256, the save's nonce, the world size.  ``.metadata`` names the
+directory (its offset, length and SHA-256) twice: in its ``planner_data``
+under ``planner_data.INDEX_KEY`` (for ``dcpstore verify`` and stores without
+user metadata) and as user metadata of the commit's conditional PUT
+(``INDEX_TAG``), so the coordinator finds the index with one HEAD of
+``.metadata``, never parsing it: it GETs the directory, checks its hash, and
+sends each rank its own entry (``rank_entry``).  Each rank GETs its own
+block with one ranged GET, checks its hash, and builds a ``Metadata``
+holding only its chunks (``share_metadata``).  The hashes chain from the
+commit itself: a block that does not match the ``.metadata`` that names it
+is never used.
 ``.metadata`` itself stays torch's format: stock readers never see the index.
 
 The index is a cache of what ``.metadata`` says.  Whatever is off (no
@@ -51,8 +56,12 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 
 from . import planner_data
+from .errors import CorruptCheckpointError, ObjectNotFoundError
+from .layout import METADATA_KEY, NONCE_KEY
 
-VERSION = 1
+VERSION = 2
+INDEX_TAG = "dcpstore-index"  # x-amz-meta of .metadata: "<offset>:<length>:<sha256>" of the directory
+MAX_DIRECTORY_BYTES = 64 << 20  # compressed and inflated; about 100 bytes a rank
 MAX_BLOCK_BYTES = 64 << 20  # compressed; a rank's block is tens of KB at 2,000 items
 MAX_BLOCK_JSON = 256 << 20  # inflated: a block that inflates past this is refused before it is parsed
 # Chunks of one fqn in one rank's share: 1 for a DTensor or plain tensor, a
@@ -85,7 +94,7 @@ def index_key(save_id: str) -> str:
 
 
 def build(metadata: Metadata, compact: dict[str, Any], checksums: dict, save_id: str) -> tuple[bytes, dict[str, Any]] | None:
-    """The index object and its directory for a save's global ``metadata``; ``None`` if it cannot hold it exactly.
+    """The index object and its pointer (what ``.metadata`` stores) for a save's ``metadata``; ``None`` if it cannot hold it exactly.
 
     ``compact``: the save's plans (``planner_data.encode_plans``), which say
     what each rank's local plan held; ``checksums``: ``MetadataIndex -> crc32``.
@@ -143,14 +152,26 @@ def build(metadata: Metadata, compact: dict[str, Any], checksums: dict, save_id:
         offset += len(block)
     directory = {
         "version": VERSION,
-        "key": index_key(save_id),
         "save_id": save_id,
         "world_size": len(blocks),
-        "size": offset,
         "dcp_version": getattr(metadata, "version", None),
         "blocks": entries,
     }
-    return b"".join(blocks), directory
+    raw_directory = zlib.compress(json.dumps(directory, separators=(",", ":")).encode(), 1)
+    pointer = {
+        "version": VERSION,
+        "key": index_key(save_id),
+        "save_id": save_id,
+        "size": offset + len(raw_directory),
+        "directory": [offset, len(raw_directory), hashlib.sha256(raw_directory).hexdigest()],
+    }
+    return b"".join(blocks) + raw_directory, pointer
+
+
+def tags(pointer: dict[str, Any]) -> dict[str, str]:
+    """The user metadata that names the index on ``.metadata``'s commit (see ``pointer_from_tags``)."""
+    offset, length, digest = pointer["directory"]
+    return {INDEX_TAG: f"{offset}:{length}:{digest}"}
 
 
 def _key(offsets: Any) -> tuple[int, ...] | None:
@@ -221,31 +242,89 @@ def key_of(metadata: Metadata) -> str | None:
     return key if isinstance(key, str) and key.startswith(".dcpstore-index-") and "/" not in key else None
 
 
-def directory(metadata: Metadata, world_size: int) -> dict[str, Any]:
-    """The index directory a parsed ``.metadata`` names, if it fits a job of ``world_size``; raises ``IndexUnusable``."""
-    entry = planner_data.read_index_directory(metadata)
-    if entry is None:
+def pointer_from_head(store) -> dict[str, Any] | None:
+    """The index pointer one HEAD of ``.metadata`` shows (its ``INDEX_TAG`` and nonce), or ``None`` if it shows none."""
+    tags = store.head(METADATA_KEY).metadata
+    value, nonce = tags.get(INDEX_TAG), tags.get(NONCE_KEY)
+    if value is None or not nonce:
+        return None
+    offset, _, rest = value.partition(":")
+    length, _, digest = rest.partition(":")
+    if not (offset.isdigit() and length.isdigit() and len(digest) == 64):
+        raise IndexUnusable(f"the {INDEX_TAG} tag of .metadata is malformed ({value[:100]!r})")
+    return {"version": VERSION, "key": index_key(nonce), "save_id": nonce, "directory": [int(offset), int(length), digest]}
+
+
+def pointer_of(metadata: Metadata) -> dict[str, Any]:
+    """The index pointer a parsed ``.metadata`` holds; raises ``IndexUnusable``."""
+    pointer = planner_data.read_index_directory(metadata)
+    if pointer is None:
         raise IndexUnusable("the checkpoint has no resume index", damaged=False)
-    if not isinstance(entry, dict) or entry.get("version") != VERSION or not isinstance(entry.get("blocks"), list):
-        raise IndexUnusable("the resume index entry in .metadata is not one this dcpstore reads")
-    if entry.get("world_size") != world_size:
-        raise IndexUnusable(f"saved by {entry.get('world_size')} ranks, loaded by {world_size}", damaged=False)
-    if len(entry["blocks"]) != world_size:
-        raise IndexUnusable(f"the resume index has {len(entry['blocks'])} blocks for {world_size} ranks")
     save_id = metadata.storage_meta.save_id if metadata.storage_meta is not None else None
-    if entry.get("save_id") != save_id or entry.get("key") != index_key(str(save_id)):
+    if not isinstance(pointer, dict) or pointer.get("version") != VERSION:
+        raise IndexUnusable("the resume index entry in .metadata is not one this dcpstore reads")
+    if pointer.get("save_id") != save_id or pointer.get("key") != index_key(str(save_id)):
         raise IndexUnusable("the resume index belongs to another save than this .metadata")
-    return entry
+    return pointer
 
 
-def rank_entry(entry: dict[str, Any], rank: int) -> dict[str, Any]:
+def read_directory(store, pointer: dict[str, Any], world_size: int | None) -> dict[str, Any]:
+    """The directory ``pointer`` names: one ranged GET, checked against its hash; raises ``IndexUnusable``.
+
+    ``world_size``: the job that will use it (another one reads ``.metadata``:
+    a resharded load), or ``None`` to read it whatever it was saved by.
+    """
+    try:
+        offset, length, digest = pointer["directory"]
+        if not (type(offset) is int and type(length) is int and 0 <= offset and 0 < length <= MAX_DIRECTORY_BYTES):
+            raise ValueError("bad bounds")
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise IndexUnusable(f"the resume index pointer is malformed ({e})") from None
+    key = pointer["key"]
+    try:
+        raw = store.get_range(key, offset, offset + length)
+    except ObjectNotFoundError:
+        raise IndexUnusable(f"{store.url_for(key)}: the resume index is missing") from None
+    except CorruptCheckpointError as e:
+        raise IndexUnusable(f"{store.url_for(key)}: the resume index is shorter than .metadata says ({e})") from None
+    directory = _inflate(raw, digest, MAX_DIRECTORY_BYTES, f"{store.url_for(key)}: the directory")
+    blocks = directory.get("blocks")
+    if directory.get("version") != VERSION or not isinstance(blocks, list):
+        raise IndexUnusable(f"{store.url_for(key)}: the directory is not one this dcpstore reads")
+    if directory.get("save_id") != pointer["save_id"]:
+        raise IndexUnusable(f"{store.url_for(key)}: the directory belongs to another save")
+    if world_size is not None and directory.get("world_size") != world_size:
+        raise IndexUnusable(f"saved by {directory.get('world_size')} ranks, loaded by {world_size}", damaged=False)
+    if len(blocks) != directory.get("world_size"):
+        raise IndexUnusable(f"{store.url_for(key)}: the directory lists {len(blocks)} blocks for {directory.get('world_size')} ranks")
+    return {**directory, "key": key}
+
+
+def _inflate(raw: bytes, digest: str, limit: int, what: str) -> dict[str, Any]:
+    """A zlib JSON object that must hash to ``digest`` and inflate to at most ``limit`` bytes; raises ``IndexUnusable``."""
+    if hashlib.sha256(raw).hexdigest() != digest:
+        raise IndexUnusable(f"{what} does not match its hash in .metadata")
+    try:
+        inflater = zlib.decompressobj()
+        text = inflater.decompress(raw, limit)
+        if inflater.unconsumed_tail:
+            raise ValueError(f"inflates past {limit} bytes")
+        parsed = json.loads(text)
+    except (zlib.error, ValueError, RecursionError) as e:
+        raise IndexUnusable(f"{what} does not parse ({e})") from None
+    if not isinstance(parsed, dict):
+        raise IndexUnusable(f"{what} is not an object")
+    return parsed
+
+
+def rank_entry(directory: dict[str, Any], rank: int) -> dict[str, Any]:
     """What rank ``rank`` needs of the directory: its block's bounds and hash, not all W of them."""
-    return {"key": entry["key"], "save_id": entry["save_id"], "dcp_version": entry.get("dcp_version"),
-            "rank": rank, "block": entry["blocks"][rank]}
+    return {"key": directory["key"], "save_id": directory["save_id"], "dcp_version": directory.get("dcp_version"),
+            "rank": rank, "block": directory["blocks"][rank]}
 
 
 def read_block(store, entry: dict[str, Any]) -> dict[str, Any]:
-    """The block ``rank_entry`` names: one ranged GET, checked against the hash ``.metadata`` holds; raises ``IndexUnusable``."""
+    """The block ``rank_entry`` names: one ranged GET, checked against its hash in the directory; raises ``IndexUnusable``."""
     rank = entry.get("rank")
     try:
         offset, length, digest = entry["block"]
@@ -253,41 +332,41 @@ def read_block(store, entry: dict[str, Any]) -> dict[str, Any]:
             raise ValueError("bad block bounds")
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise IndexUnusable(f"the directory entry of rank {rank} is malformed ({e})") from None
-    raw = store.get_range(entry["key"], offset, offset + length)
-    if hashlib.sha256(raw).hexdigest() != digest:
-        raise IndexUnusable(f"{store.url_for(entry['key'])}: block of rank {rank} does not match its hash in .metadata")
     try:
-        inflater = zlib.decompressobj()
-        text = inflater.decompress(raw, MAX_BLOCK_JSON)
-        if inflater.unconsumed_tail:
-            raise ValueError(f"inflates past {MAX_BLOCK_JSON} bytes")
-        block = json.loads(text)
-    except (zlib.error, ValueError, RecursionError) as e:
-        raise IndexUnusable(f"{store.url_for(entry['key'])}: block of rank {rank} does not parse ({e})") from None
-    if not isinstance(block, dict):
-        raise IndexUnusable(f"{store.url_for(entry['key'])}: block of rank {rank} is not an object")
-    return block
+        raw = store.get_range(entry["key"], offset, offset + length)
+    except (ObjectNotFoundError, CorruptCheckpointError) as e:
+        raise IndexUnusable(f"block of rank {rank}: {e}") from None
+    return _inflate(raw, digest, MAX_BLOCK_JSON, f"{store.url_for(entry['key'])}: block of rank {rank}")
 
 
 def check(store, metadata: Metadata, sizes: dict[str, int], deep: bool) -> list[str]:
     """Problems with the resume index ``metadata`` names (for ``dcpstore verify``): a cache, but one that must match."""
-    entry = planner_data.read_index_directory(metadata)
-    if entry is None:
+    if planner_data.read_index_directory(metadata) is None:
         return []
     try:
-        directory(metadata, len(entry["blocks"]))
+        pointer = pointer_of(metadata)
+        where = store.url_for(pointer["key"])
+        if sizes.get(pointer["key"]) != pointer.get("size"):
+            return [f"{where}: resume index is {sizes.get(pointer['key'], 'missing')}, .metadata says {pointer.get('size')} bytes"]
+        directory = read_directory(store, pointer, None)
     except (IndexUnusable, TypeError, KeyError) as e:
-        return [f"{store.url_for('.metadata')}: resume index entry: {e}"]
-    where = store.url_for(entry["key"])
-    if sizes.get(entry["key"]) != entry.get("size"):
-        return [f"{where}: resume index is {sizes.get(entry['key'], 'missing')}, .metadata says {entry.get('size')} bytes"]
+        return [f"{store.url_for('.metadata')}: resume index: {e}"]
     problems = []
-    for rank in range(len(entry["blocks"]) if deep else 0):
+    for rank in range(len(directory["blocks"]) if deep else 0):
         try:
-            read_block(store, rank_entry(entry, rank))
+            read_block(store, rank_entry(directory, rank))
         except IndexUnusable as e:
             problems.append(str(e))
     return problems
+
+
+def read_share(store, entry: dict[str, Any], flat_state_dict: dict[str, Any], url: str) -> Share:
+    """This rank's share (``entry``: its ``rank_entry``) if it holds exactly what ``flat_state_dict`` loads; raises ``IndexUnusable``."""
+    share = share_metadata(read_block(store, entry), entry, url)
+    why = covers(share.metadata, flat_state_dict)
+    if why is not None:
+        raise IndexUnusable(why, damaged=False)
+    return share
 
 
 @dataclasses.dataclass(frozen=True)

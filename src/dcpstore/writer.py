@@ -315,6 +315,7 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         self.commit_tags: dict[str, str] = {}
         self.commit_record: dict[str, Any] | None = None
         self._index_key: str | None = None  # the resume index finish() wrote, deleted with the shards if not committed
+        self._index_tags: dict[str, str] = {}  # what names that index on the commit (x-amz-meta)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -460,20 +461,20 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         # A reused (cached) Metadata already carries last save's extras: drop them.
         user_planner_data = planner_data.user_planner_data(metadata)
         metadata.planner_data = planner_data.embed(user_planner_data, extras)
-        directory = self._write_resume_index(metadata, extras.get(planner_data.PLANS_KEY), checksums)
-        if directory is not None:
-            extras[planner_data.INDEX_KEY] = directory
+        pointer = self._write_resume_index(metadata, extras.get(planner_data.PLANS_KEY), checksums)
+        if pointer is not None:
+            extras[planner_data.INDEX_KEY] = pointer
             metadata.planner_data = planner_data.embed(user_planner_data, extras)
         self.commit(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), storage_data)
 
     def _write_resume_index(self, metadata: Metadata, compact: dict | None, checksums: dict) -> dict | None:
-        """PUT the resume index (see ``resume_index``) before ``.metadata``; its directory, or ``None`` without one.
+        """PUT the resume index (see ``resume_index``) before ``.metadata``; its pointer, or ``None`` without one.
 
         Only for jobs of several ranks, with the compact plans, which say what each rank's local plan
         held.  The index is a cache: a save whose index PUT fails still
         commits, and its restarts read ``.metadata``.
         """
-        self._index_key = None
+        self._index_key, self._index_tags = None, {}
         if compact is None or len(compact["ranks"]) < 2:
             return None  # a single rank resumes from .metadata, which it reads anyway
         try:
@@ -484,15 +485,16 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         if built is None:
             logger.info("%s: the plans do not index this save's items; no resume index", self.url)
             return None
-        blob, directory = built
+        blob, pointer = built
         try:
-            self.store.put(directory["key"], blob)
+            self.store.put(pointer["key"], blob)
         except Exception as e:  # noqa: BLE001 - an optional cache: the commit goes on without it
             logger.warning("%s: could not write the resume index (%s); restarts will read .metadata", self.url, e)
-            self._delete_quietly({directory["key"]}, "resume index")
+            self._delete_quietly({pointer["key"]}, "resume index")
             return None
-        self._index_key = directory["key"]
-        return directory
+        self._index_key = pointer["key"]
+        self._index_tags = resume_index.tags(pointer)
+        return pointer
 
     def _plans_extras(self, metadata: Metadata, results: list[list[WriteResult]]) -> dict[str, Any]:
         """What ``finish()`` stores about the plans: the compact form, the full list, or nothing."""
@@ -546,7 +548,7 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         outcome, error = write_metadata(
             self.store, raw_metadata, self.save_id,
             replaced_etag=replaced.etag if replaced is not None else None, window=self.commit_window,
-            tags=self.commit_tags,
+            tags={**self.commit_tags, **self._index_tags},
         )
         if outcome is Outcome.COMMITTED:
             if error is not None:
