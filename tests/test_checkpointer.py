@@ -72,9 +72,10 @@ def test_resume_reuses_persisted_plans_and_falls_back_on_change(world_size, buck
 
     proxy.clear()
     results = run_ranks(checkpointer_resume, world_size, root, False, proxy.endpoint)
-    # One GET of the resumed step's .metadata for the whole job, broadcast to the ranks,
-    # after the coordinator's one HEAD of it that reads the commit order (see steps).
-    assert [m for m, path in proxy.requests if path.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "GET"]
+    # The coordinator's HEADs of the resumed step's .metadata (the commit order, see steps; the
+    # resume index's pointer), then one GET of it for the whole job: the coordinator's, off the
+    # training thread, for its next commit.  The ranks resume from their index blocks.
+    assert [m for m, path in proxy.requests if path.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "HEAD", "GET"]
     for step, loaded, counts, reused, expected, reloaded in results.values():
         assert step == 30
         assert_same(loaded, final)  # resumed bit-exact from the latest step

@@ -9,7 +9,7 @@ import torch
 from conftest import read_metadata_raw
 from dist_utils import run_ranks
 from test_checkpointer import assert_same
-from workers import checkpointer_resume_logged, checkpointer_three_saves
+from workers import checkpointer_resume_logged, checkpointer_three_saves, load_with_state_dict
 
 from dcpstore import resume_index
 from dcpstore.cli import main
@@ -73,6 +73,27 @@ def test_a_resharded_resume_reads_metadata(bucket, s3, proxy):
     for (step, loaded, *_rest), _logged in results.values():
         assert step == 30
         assert_same(loaded, final)
+
+
+@pytest.mark.parametrize("saved_by", [2, 4], ids=["same-world-size", "resharded-4-to-2"])
+def test_a_reader_given_the_state_dict_reads_only_its_share(saved_by, bucket, s3, proxy):
+    """Plain dcp.load, 2 ranks, ObjectStoreReader(state_dict=sd): a HEAD and two ranged GETs a rank, no .metadata."""
+    root = f"s3://{bucket}/run"
+    (_, final, _), *_ = run_ranks(checkpointer_three_saves, saved_by, root, "central").values()
+    pointer, directory = _index(s3, bucket, "run/step_00000030")
+    proxy.clear()
+    results = run_ranks(load_with_state_dict, 2, f"{root}/step_00000030", proxy.endpoint)
+    for loaded in results.values():
+        assert_same(loaded, final)
+    metadata_requests = sorted(m for m, p in proxy.requests if p.split("?")[0].endswith("step_00000030/.metadata"))
+    offset, length, _ = pointer["directory"]
+    if saved_by == 2:
+        assert metadata_requests == ["HEAD", "HEAD"]
+        blocks = [(start, start + size) for start, size, _ in directory["blocks"]]
+        assert sorted(_index_gets(proxy, "step_00000030")) == sorted([(offset, offset + length)] * 2 + blocks)
+    else:  # saved by 4 ranks: the directory says so, and each rank reads .metadata
+        assert metadata_requests == ["GET", "GET", "HEAD", "HEAD"]
+        assert _index_gets(proxy, "step_00000030") == [(offset, offset + length)] * 2
 
 
 @pytest.mark.parametrize("damage", ["deleted", "corrupted", "truncated"])

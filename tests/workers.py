@@ -374,3 +374,12 @@ def checkpointer_resume_logged(rank, world_size, root, endpoint=None):
         return checkpointer_resume(rank, world_size, root, False, endpoint), records
     finally:
         logger.removeHandler(handler)
+
+
+def load_with_state_dict(rank, world_size, url, endpoint):
+    """Plain ``dcp.load`` through ``ObjectStoreReader(state_dict=...)``: this rank's share of the resume index."""
+    sd = sharded_state_dict(world_size, 0, zeros=True)
+    reader = dcpstore.ObjectStoreReader(url, storage_options={"endpoint_url": endpoint}, state_dict=sd)
+    dcp.load(sd, storage_reader=reader)
+    reader.close()
+    return gathered(sd)

@@ -54,9 +54,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 
 from . import resume_index
 from .commit import Outcome, landing_margin, wait_and_settle
@@ -710,8 +708,7 @@ class AsyncCheckpointer:
     def _read_share(self, reader: ObjectStoreReader, entry: dict, flat_sd: dict, url: str) -> resume_index.Share | None:
         """This rank's share of the checkpoint from its index block (``entry``), or ``None`` (logged) to read ``.metadata``."""
         try:
-            flat, _ = flatten_state_dict(_flatten_sharded_tensors(flat_sd))
-            return resume_index.read_share(reader.store, entry, flat, url)
+            return resume_index.read_share(reader.store, entry, flat_sd, url)
         except resume_index.IndexUnusable as e:
             (logger.warning if e.damaged else logger.info)("%s: rank %d falls back to .metadata: %s", url, self.rank, e)
         except Exception as e:  # noqa: BLE001 - every rank must reach the all_min that decides the fallback

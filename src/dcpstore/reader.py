@@ -25,23 +25,26 @@ import collections
 import concurrent.futures
 import dataclasses
 import io
+import logging
 import os
 import uuid
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from . import planner_data
+from . import planner_data, resume_index
 from .errors import (
     BucketNotFoundError,
     CheckpointNotFoundError,
@@ -55,6 +58,8 @@ from .safe_pickle import check_bytes_item, loads_metadata
 from .scatter import DestinationClaims, ItemLanding, RangeScatter
 from .tensor_archive import load_tensor
 from .storage import ObjectStore, StoreOwner, TransferConfig, is_store_url
+
+logger = logging.getLogger(__name__)
 
 
 class ObjectStoreReader(StorageReader, StoreOwner):
@@ -91,6 +96,15 @@ class ObjectStoreReader(StorageReader, StoreOwner):
             ``DefaultLoadPlanner`` then runs ``torch.load(weights_only=False)``
             on them: only for buckets where you trust everyone who can write.
             ``.metadata`` is always read with the allow-list.
+        state_dict: the state dict this rank loads into, the one passed to
+            ``dcp.load``.  With it, ``read_metadata`` reads only this rank's
+            share of a dcpstore checkpoint from its resume index (one HEAD
+            and two ranged GETs, a cost flat in the world size) when the
+            checkpoint was saved by a job of this world size and the share
+            holds exactly what the state dict loads; otherwise, and for
+            torch's checkpoints, the whole ``.metadata``.  ``dcp.load``
+            asks for the metadata before any planner sees the state dict,
+            so without this argument every rank reads all of ``.metadata``.
     """
 
     def __init__(
@@ -105,9 +119,11 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         verify_before_landing: bool = False,
         allow_globals: Iterable[Any] = (),
         allow_unsafe_pickle: bool = False,
+        state_dict: dict[str, Any] | None = None,
         _extension_registry: ExtensionRegistry | None = None,
     ):
         super().__init__()
+        self.state_dict = state_dict
         self.transforms = _StorageReaderTransforms(_extension_registry)
         self.storage_options = dict(storage_options or {})
         self.transfer = transfer or TransferConfig()
@@ -144,7 +160,30 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         """
         if self.metadata is not None:
             return self.metadata
+        if self.state_dict is not None:
+            share = self._share_from_index()
+            if share is not None:
+                return self.use_metadata(share.metadata)
         return self.use_metadata_bytes(read_metadata_bytes(self.store))
+
+    def _share_from_index(self) -> resume_index.Share | None:
+        """This rank's share of the checkpoint from the resume index, or ``None`` (logged) to read ``.metadata``."""
+        group = dist.is_available() and dist.is_initialized()
+        rank, world_size = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
+        try:
+            pointer = resume_index.pointer_from_head(self.store)
+            if pointer is None:
+                raise resume_index.IndexUnusable("the checkpoint has no resume index", damaged=False)
+            directory = resume_index.read_directory(self.store, pointer, world_size)
+            state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in self.state_dict.items()}
+            return resume_index.read_share(self.store, resume_index.rank_entry(directory, rank), state_dict, self.checkpoint_id)
+        except resume_index.IndexUnusable as e:
+            (logger.warning if e.damaged else logger.info)("%s: rank %d reads .metadata: %s", self.checkpoint_id, rank, e)
+        except ObjectNotFoundError:
+            pass  # no .metadata: reading it says so
+        except Exception as e:  # noqa: BLE001 - the index is a cache: .metadata decides
+            logger.warning("%s: rank %d could not read its resume index share (%r); reads .metadata", self.checkpoint_id, rank, e)
+        return None
 
     def use_metadata_bytes(self, raw: bytes) -> Metadata:
         """Adopt ``raw``, this checkpoint's ``.metadata`` fetched by someone else, as if read here.

@@ -53,6 +53,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint.planner_helpers import _create_chunk_list
 
 from . import planner_data
@@ -360,10 +362,15 @@ def check(store, metadata: Metadata, sizes: dict[str, int], deep: bool) -> list[
     return problems
 
 
-def read_share(store, entry: dict[str, Any], flat_state_dict: dict[str, Any], url: str) -> Share:
-    """This rank's share (``entry``: its ``rank_entry``) if it holds exactly what ``flat_state_dict`` loads; raises ``IndexUnusable``."""
+def read_share(store, entry: dict[str, Any], state_dict: dict[str, Any], url: str) -> Share:
+    """This rank's share (``entry``: its ``rank_entry``) if it holds exactly what ``state_dict`` loads; raises ``IndexUnusable``.
+
+    ``state_dict``: as ``dcp.load`` gets it (``Stateful`` values already
+    turned into their state dicts); flattened here as the load planner will.
+    """
     share = share_metadata(read_block(store, entry), entry, url)
-    why = covers(share.metadata, flat_state_dict)
+    flat, _ = flatten_state_dict(_flatten_sharded_tensors(state_dict))
+    why = covers(share.metadata, flat)
     if why is not None:
         raise IndexUnusable(why, damaged=False)
     return share
