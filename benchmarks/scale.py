@@ -1,29 +1,31 @@
-"""What persisted plans cost as the world size grows, simulated in one process.
+"""What a checkpoint costs as the world size W and the items per rank N grow, simulated in one process.
 
-    python -m benchmarks.scale                          # W = 8 64 256 1024 4096, N = 64 items/rank
-    python -m benchmarks.scale --world-sizes 8 64 --items-per-rank 32 --out /tmp/s   # quick
+    python -m benchmarks.scale                 # N = 64: W = 8..4096; N = 2000: W = 8, 64, 256
+    python -m benchmarks.scale --grid 8x64 64x2000 --out /tmp/s   # quick
 
-No process group, no storage: W ranks' local plans are made directly, as
-``DefaultSavePlanner`` makes them for an FSDP-style state dict (per rank
-``N`` items: most of them ``Shard(0)`` chunks of a parameter, one chunk per
-rank; a few plain tensors and a few bytes items that every rank holds and the
-dedup gives to one rank).  The coordinator's global step runs once with
-torch's ``DefaultSavePlanner``, write results are made up for the final plans,
-and ``ObjectStoreWriter.finish`` runs with ``commit`` captured.  Per W it
-reports:
+No process group, no storage but ``memory://``: W ranks' local plans are made
+directly, as ``DefaultSavePlanner`` makes them for an FSDP-style state dict
+(per rank ``N`` items: most of them ``Shard(0)`` chunks of a parameter, one
+chunk per rank; a few plain tensors and a few bytes items that every rank
+holds and the dedup gives to one rank).  The coordinator's global step runs
+once with torch's ``DefaultSavePlanner``, write results are made up for the
+final plans, and ``ObjectStoreWriter.finish`` runs with ``commit`` captured
+(it also builds and PUTs the resume index).  Per (W, N) it reports:
 
-* ``.metadata`` bytes: torch's own for the same state (``FileSystemWriter``'s:
-  storage data and flatten mappings), dcpstore without persisted plans
-  (checksums only), with the compact plans (this version) and with the full
-  plans of the previous format;
-* ``finish_s``: coordinator time in ``finish()`` (encode + pickle), compact
-  form, beside ``finish_no_plans_s`` (pickle only);
-* ``prime_s``: ``PlanCache.fill_from_metadata`` on one rank (rank W-1), from
-  the unpickled metadata; ``prime_v1_s``: the same from full plans, which
-  redoes the global step over all W plans (run up to ``--v1-max-world``);
-* ``read_bytes``: what each rank reads at resume (the whole ``.metadata``),
-  and ``unpickle_s``: ``pickle.loads`` of it (C unpickler; dcpstore's
-  allow-list unpickler is 2.5-3.5x slower, see ``safe_pickle``).
+* the coordinator's first save of the structure: ``global_step_s`` (torch's
+  ``create_global_plan``) and ``finish_s`` (dcpstore: compact plans, the
+  resume index, pickling ``.metadata``);
+* ``.metadata`` bytes, torch's own for the same state beside dcpstore's, and
+  the resume index: the whole object, and what rank W-1 reads of it (its
+  block; the coordinator also reads the directory);
+* reading ``.metadata`` whole, as a fallback or ``dcp.load`` without
+  ``state_dict=`` does: ``unpickle_s`` (C ``pickle.loads``, unsafe) and
+  ``safe_read_s`` (``safe_pickle.loads_metadata``, bounded; timed up to
+  ``--safe-read-max-mb``);
+* resuming from the index, rank W-1: ``share_s`` (check, inflate, parse and
+  build its ``Metadata`` from its block) and ``share_rss`` (peak RSS growth
+  of doing that in a fresh process), beside ``metadata_rss`` (the same for
+  the safe read of ``.metadata``, where timed).
 
 Writes ``scale.json``, ``scale.txt`` and (with matplotlib) ``scale.png`` into ``--out``.
 """
@@ -33,12 +35,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
+import hashlib
 import io
 import json
 import logging
 import os
 import pickle
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 import zlib
 
@@ -54,8 +61,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from dcpstore import planner_data
-from dcpstore.plan_cache import PlanCache
+from dcpstore import resume_index, safe_pickle
 from dcpstore.writer import ChecksummedWriteResult, ObjectStoreWriter
 
 REPLICATED = 4  # plain tensors every rank holds (norms, scalars)
@@ -142,7 +148,8 @@ def torch_metadata_bytes(metadata: Metadata, results) -> int:
     return len(pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def finish_bytes(writer_plans, metadata: Metadata, results, *, checksums: bool = True) -> tuple[bytes, float]:
+def finish(writer_plans, metadata: Metadata, results, *, checksums: bool = True) -> tuple[_Captured, float]:
+    """The coordinator's ``finish()``, timed; the writer holds the ``.metadata`` bytes and its store the index."""
     writer = _Captured("memory://dcpstore-scale-bench", checksums=checksums)
     writer.remember_local_plans(writer_plans)
     if writer_plans is None:
@@ -150,15 +157,13 @@ def finish_bytes(writer_plans, metadata: Metadata, results, *, checksums: bool =
     md = dataclasses.replace(metadata)
     t0 = time.perf_counter()
     writer.finish(md, results)
-    return writer.raw, time.perf_counter() - t0
+    return writer, time.perf_counter() - t0
 
 
-def v1_bytes(plans: list[SavePlan], metadata: Metadata, results) -> bytes:
-    """``.metadata`` in the previous format: every rank's full SavePlan."""
-    raw, _ = finish_bytes(None, metadata, results)
-    md = pickle.loads(raw)
-    md.planner_data = {**md.planner_data, planner_data.ALL_LOCAL_PLANS_KEY: plans}
-    return pickle.dumps(md, protocol=pickle.HIGHEST_PROTOCOL)
+def finish_bytes(writer_plans, metadata: Metadata, results, *, checksums: bool = True) -> tuple[bytes, float]:
+    writer, seconds = finish(writer_plans, metadata, results, checksums=checksums)
+    writer.close()
+    return writer.raw, seconds
 
 
 def best_of(fn, repeat: int) -> float:
@@ -170,73 +175,110 @@ def best_of(fn, repeat: int) -> float:
     return best
 
 
-def measure(world_size: int, items_per_rank: int, *, v1_max_world: int, repeat: int) -> dict:
+def rss_growth(kind: str, raw: bytes) -> int:
+    """Peak RSS growth (bytes) of parsing ``raw`` in a fresh process: ``share`` (an index block) or ``metadata``."""
+    with tempfile.NamedTemporaryFile(suffix=".bin") as f:
+        f.write(raw)
+        f.flush()
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.scale", "--rss-child", kind, f.name],
+            check=True, capture_output=True, text=True,
+        )
+    return int(out.stdout.split()[-1])
+
+
+def _rss_child(kind: str, path: str) -> int:
+    """What ``rss_growth`` runs: VmHWM after the parse minus VmRSS before it."""
+    raw = open(path, "rb").read()
+
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+    entry = {"key": "index", "save_id": "0", "rank": 0, "block": [0, len(raw), hashlib.sha256(raw).hexdigest()]}
+
+    class _OneObject:
+        def get_range(self, key, start, end):
+            return raw[start:end]
+
+        def url_for(self, key):
+            return key
+
+    gc.collect()
+    before = status("VmRSS:")
+    if kind == "share":
+        kept = resume_index.share_metadata(resume_index.read_block(_OneObject(), entry), entry, "bench")
+    else:
+        kept = safe_pickle.loads_metadata(raw, "bench")
+    peak = status("VmHWM:")
+    del kept
+    print(peak - before)
+    return 0
+
+
+def measure(world_size: int, items_per_rank: int, *, repeat: int, safe_read_max: int) -> dict:
     plans = simulate_plans(world_size, items_per_rank)
     t0 = time.perf_counter()
     writer, central, metadata = global_step(plans)
     global_step_s = time.perf_counter() - t0
     results = write_results(central)
     torch_bytes = torch_metadata_bytes(metadata, results)
-    no_plans, finish_no_plans_s = finish_bytes(None, metadata, results)
-    compact_raw, finish_s = finish_bytes(writer.all_local_plans, metadata, results)
+    captured, finish_s = finish(writer.all_local_plans, metadata, results)
+    raw = captured.raw
+    del plans, central, results
     t0 = time.perf_counter()
-    loaded = pickle.loads(compact_raw)
+    loaded = pickle.loads(raw)
     unpickle_s = time.perf_counter() - t0
-    # read_plans gives back the ranks' plans exactly.
-    assert planner_data.read_plans(loaded) == [planner_data.strip_plan(p) for p in plans]
     rank = world_size - 1
-
-    def prime(md, r=rank):
-        cache = PlanCache()
-        assert cache.fill_from_metadata(md, rank=r, world_size=world_size, planner=DefaultSavePlanner(), writer=writer)
-        return cache
-
-    entry = prime(loaded).entry
-    want = central[rank]
-    assert entry.local_plan == planner_data.strip_plan(plans[rank])
-    assert entry.central_plan == want and [i.index.index for i in entry.central_plan.items] == [i.index.index for i in want.items]
-    prime_s = best_of(lambda: prime(loaded), repeat)
-    prime_coordinator_s = best_of(lambda: prime(loaded, 0), repeat)
     row = {
         "world_size": world_size,
         "items_per_rank": items_per_rank,
-        "items_total": sum(len(p.items) for p in plans),
-        "torch_bytes": torch_bytes,
-        "no_plans_bytes": len(no_plans),
-        "compact_bytes": len(compact_raw),
-        "compact_plans_bytes": len(compact_raw) - len(no_plans),
-        "plans_vs_torch": (len(compact_raw) - len(no_plans)) / torch_bytes,
-        "finish_s": finish_s,
-        "finish_no_plans_s": finish_no_plans_s,
+        "items_total": sum(len(md.chunks) if hasattr(md, "chunks") else 1 for md in loaded.state_dict_metadata.values()),
         "global_step_s": global_step_s,
-        "prime_s": prime_s,
-        "prime_coordinator_s": prime_coordinator_s,
-        "read_bytes": len(compact_raw),
+        "finish_s": finish_s,
+        "torch_bytes": torch_bytes,
+        "metadata_bytes": len(raw),
         "unpickle_s": unpickle_s,
     }
-    if world_size <= v1_max_world:
-        v1_raw = v1_bytes([planner_data.strip_plan(p) for p in plans], metadata, results)
-        v1 = pickle.loads(v1_raw)
-        row["v1_bytes"] = len(v1_raw)
-        row["v1_plans_vs_torch"] = (len(v1_raw) - len(no_plans)) / torch_bytes
-        row["prime_v1_s"] = best_of(lambda: prime(v1), 1)
+    if world_size >= 2:
+        store = captured.store
+        pointer = resume_index.pointer_of(loaded)
+        directory = resume_index.read_directory(store, pointer, world_size)
+        entry = resume_index.rank_entry(directory, rank)
+        offset, length, _ = entry["block"]
+        share = resume_index.share_metadata(resume_index.read_block(store, entry), entry, "bench")
+        assert len(share.metadata.storage_data) == len(share.local_plan.items)
+        row.update(
+            index_bytes=pointer["size"],
+            block_bytes=length,
+            directory_bytes=pointer["directory"][1],
+            share_s=best_of(lambda: resume_index.share_metadata(resume_index.read_block(store, entry), entry, "bench"), repeat),
+            share_rss=rss_growth("share", store.get_range(pointer["key"], offset, offset + length)),
+        )
+        store.delete([pointer["key"]])
+    if len(raw) <= safe_read_max:
+        row["safe_read_s"] = best_of(lambda: safe_pickle.loads_metadata(raw, "bench"), 1)
+        row["safe_vs_c"] = row["safe_read_s"] / unpickle_s
+        row["metadata_rss"] = rss_growth("metadata", raw)
+    captured.close()
     return row
 
 
 COLUMNS = [
     ("W", "world_size", "{:d}"),
+    ("N", "items_per_rank", "{:d}"),
+    ("global step s", "global_step_s", "{:.2f}"),
+    ("finish s", "finish_s", "{:.2f}"),
     ("torch .metadata", "torch_bytes", "{:,}"),
-    ("dcpstore, no plans", "no_plans_bytes", "{:,}"),
-    ("dcpstore, compact plans", "compact_bytes", "{:,}"),
-    ("plans / torch", "plans_vs_torch", "{:.1%}"),
-    ("previous format (full plans)", "v1_bytes", "{:,}"),
-    ("finish, no plans s", "finish_no_plans_s", "{:.2f}"),
-    ("finish, compact plans s", "finish_s", "{:.2f}"),
-    ("prime rank W-1 s", "prime_s", "{:.4f}"),
-    ("prime rank 0 s", "prime_coordinator_s", "{:.4f}"),
-    ("prime, full plans s", "prime_v1_s", "{:.2f}"),
-    ("read per rank", "read_bytes", "{:,}"),
-    ("unpickle s", "unpickle_s", "{:.2f}"),
+    ("dcpstore .metadata", "metadata_bytes", "{:,}"),
+    ("C unpickle s", "unpickle_s", "{:.2f}"),
+    ("safe read s", "safe_read_s", "{:.2f}"),
+    ("safe / C", "safe_vs_c", "{:.1f}x"),
+    (".metadata RSS", "metadata_rss", "{:,}"),
+    ("index", "index_bytes", "{:,}"),
+    ("read per rank", "block_bytes", "{:,}"),
+    ("share s", "share_s", "{:.3f}"),
+    ("share RSS", "share_rss", "{:,}"),
 ]
 
 
@@ -249,6 +291,22 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def extrapolate(rows: list[dict], world_size: int = 4096, items_per_rank: int = 2000) -> dict:
+    """Linear in W x N from the largest measured row of ``items_per_rank``: what this machine cannot hold."""
+    base = max((r for r in rows if r["items_per_rank"] == items_per_rank), key=lambda r: r["world_size"])
+    scale = world_size / base["world_size"]
+    out = {"from_world_size": base["world_size"], "world_size": world_size, "items_per_rank": items_per_rank}
+    for key in ("metadata_bytes", "torch_bytes", "unpickle_s", "global_step_s", "finish_s"):
+        out[key] = base[key] * scale
+    safe = [r for r in rows if r["items_per_rank"] == items_per_rank and "safe_vs_c" in r]
+    if safe:
+        out["safe_read_s"] = out["unpickle_s"] * max(r["safe_vs_c"] for r in safe)
+    for key in ("block_bytes", "share_s", "share_rss"):
+        out[key] = base.get(key)  # a rank's share does not grow with W
+    out["directory_bytes"] = base["directory_bytes"] * scale
+    return out
+
+
 def plot(results: dict, path: str) -> bool:
     try:
         import matplotlib
@@ -258,68 +316,70 @@ def plot(results: dict, path: str) -> bool:
     import matplotlib.pyplot as plt
 
     rows = results["rows"]
-    ws = [r["world_size"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    a.loglog(ws, [r["torch_bytes"] for r in rows], "o-", label="torch's own")
-    a.loglog(ws, [r["compact_bytes"] for r in rows], "o-", label="dcpstore, compact plans")
-    v1 = [(r["world_size"], r["v1_bytes"]) for r in rows if "v1_bytes" in r]
-    if v1:
-        a.loglog(*zip(*v1), "o--", label="previous format (full plans)")
+    for n in sorted({r["items_per_rank"] for r in rows}):
+        mine = [r for r in rows if r["items_per_rank"] == n]
+        ws = [r["world_size"] for r in mine]
+        a.loglog(ws, [r["metadata_bytes"] for r in mine], "o-", label=f".metadata, N={n}")
+        idx = [(r["world_size"], r["block_bytes"]) for r in mine if "block_bytes" in r]
+        a.loglog(*zip(*idx), "s--", label=f"read per rank (index block), N={n}")
+        b.loglog(ws, [r["unpickle_s"] for r in mine], "o:", label=f"C unpickle .metadata, N={n}")
+        safe = [(r["world_size"], r["safe_read_s"]) for r in mine if "safe_read_s" in r]
+        if safe:
+            b.loglog(*zip(*safe), "^-", label=f"safe read .metadata, N={n}")
+        share = [(r["world_size"], r["share_s"]) for r in mine if "share_s" in r]
+        b.loglog(*zip(*share), "s--", label=f"share from index, N={n}")
     a.set_xlabel("world size W")
-    a.set_ylabel(".metadata bytes")
-    a.legend()
-    a.set_title(f".metadata size, N={results['items_per_rank']} items/rank")
-    b.loglog(ws, [r["prime_s"] for r in rows], "o-", label="prime rank W-1 (compact)")
-    b.loglog(ws, [r["prime_coordinator_s"] for r in rows], "o-", label="prime rank 0 (compact)")
-    pv1 = [(r["world_size"], r["prime_v1_s"]) for r in rows if "prime_v1_s" in r]
-    if pv1:
-        b.loglog(*zip(*pv1), "o--", label="prime from full plans")
-    b.loglog(ws, [r["unpickle_s"] for r in rows], "o:", label="unpickle .metadata")
+    a.set_ylabel("bytes")
+    a.legend(fontsize=7)
+    a.set_title("what a rank reads at resume")
     b.set_xlabel("world size W")
-    b.set_ylabel("seconds")
-    b.legend()
-    b.set_title("resume, per rank")
-    fig.suptitle(f"dcpstore plans at scale on {results['machine']}", fontsize=10)
+    b.set_ylabel("seconds, rank W-1")
+    b.legend(fontsize=7)
+    b.set_title("what a rank parses at resume")
+    fig.suptitle(f"dcpstore at scale on {results['machine']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
 
 
+DEFAULT_GRID = ["8x64", "64x64", "256x64", "1024x64", "4096x64", "8x2000", "64x2000", "256x2000"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 64, 256, 1024, 4096])
-    parser.add_argument("--items-per-rank", type=int, default=64)
-    parser.add_argument("--v1-max-world", type=int, default=1024, help="largest W to time the full-plans prime at")
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--grid", nargs="+", default=DEFAULT_GRID, help="WxN pairs: world size x items per rank")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--safe-read-max-mb", type=float, default=25.0, help="largest .metadata to time the safe read of")
     parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--rss-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rss_child:
+        return _rss_child(*args.rss_child)
     logging.disable(logging.WARNING)
     os.makedirs(args.out, exist_ok=True)
     machine = f"{platform.machine()} {os.cpu_count()} cores, {platform.system()}"
-    results = {
-        "machine": machine,
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "items_per_rank": args.items_per_rank,
-        "rows": [],
-    }
-    for ws in args.world_sizes:
-        row = measure(ws, args.items_per_rank, v1_max_world=args.v1_max_world, repeat=args.repeat)
+    results = {"machine": machine, "date": datetime.date.today().isoformat(), "torch": torch.__version__, "rows": []}
+    for cell in args.grid:
+        ws, n = (int(x) for x in cell.split("x"))
+        row = measure(ws, n, repeat=args.repeat, safe_read_max=int(args.safe_read_max_mb * (1 << 20)))
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
     rows = results["rows"]
-    results["acceptance"] = {
-        "max_plans_vs_torch": max(r["plans_vs_torch"] for r in rows),
-        "prime_largest_vs_smallest": rows[-1]["prime_s"] / rows[0]["prime_s"],
-    }
     text = io.StringIO()
-    text.write(f"{machine}, torch {torch.__version__}, N={args.items_per_rank} items/rank\n\n")
+    text.write(f"{machine}, torch {torch.__version__}\n\n")
     text.write(table(rows) + "\n\n")
-    acc = results["acceptance"]
-    text.write(
-        f"persisted plans add at most {acc['max_plans_vs_torch']:.1%} to torch's own .metadata; "
-        f"prime at W={rows[-1]['world_size']} is {acc['prime_largest_vs_smallest']:.2f}x the one at W={rows[0]['world_size']}\n"
-    )
+    if any(r["items_per_rank"] == 2000 for r in rows):
+        x = results["extrapolated"] = extrapolate(rows)
+        text.write(
+            f"linear in W x N from W={x['from_world_size']} to W={x['world_size']}, N={x['items_per_rank']}: "
+            f".metadata {x['metadata_bytes'] / 1e9:.2f} GB (torch's own {x['torch_bytes'] / 1e9:.2f} GB), "
+            f"C unpickle {x['unpickle_s']:.0f} s"
+            + (f", safe read {x['safe_read_s']:.0f} s" if "safe_read_s" in x else "")
+            + f"; coordinator global step {x['global_step_s']:.0f} s + finish {x['finish_s']:.0f} s; "
+            f"per rank from the index: {x['block_bytes']:,} bytes, {x['share_s']:.2f} s, {x['share_rss'] / 2**20:.0f} MiB RSS "
+            f"(the coordinator also reads a {x['directory_bytes'] / 1e6:.2f} MB directory)\n"
+        )
     print("\n" + text.getvalue())
     with open(os.path.join(args.out, "scale.json"), "w") as f:
         json.dump(results, f, indent=2)

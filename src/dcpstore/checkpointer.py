@@ -66,10 +66,11 @@ from .errors import (
     CheckpointTimeoutError,
     CommitOutcomeUnknownError,
     DcpstoreError,
+    ObjectNotFoundError,
 )
 from .layout import METADATA_KEY, committed_steps, delete_committed_step, step_prefix
 from .plan_cache import CachedPlan, PlanCache
-from .reader import ObjectStoreReader, check_state_dict, parse_metadata, read_metadata_bytes
+from .reader import ObjectStoreReader, check_state_dict, no_metadata_error, parse_metadata, read_metadata_bytes
 from .staging import StagedItems, StagingPool
 from .steps import CommitOrder, CommitRecord, retained
 from .storage import TransferConfig, normalize_url, open_store
@@ -794,7 +795,10 @@ class AsyncCheckpointer:
         try:
             if self.world_size == 1:
                 raise resume_index.IndexUnusable("a single rank reads .metadata", damaged=False)
-            pointer = resume_index.pointer_from_head(store)
+            try:
+                pointer = resume_index.pointer_from_head(store)
+            except ObjectNotFoundError:
+                raise no_metadata_error(store) from None
             if pointer is None and not store.has_user_metadata:
                 raw = read_metadata_bytes(store)
                 pointer = resume_index.pointer_of(parse_metadata(raw, store.url_for(METADATA_KEY)))

@@ -411,8 +411,12 @@ def read_metadata_bytes(store: ObjectStore) -> bytes:
     except BucketNotFoundError:
         raise
     except ObjectNotFoundError:
-        url = store.url_for(METADATA_KEY)
-        raise CheckpointNotFoundError(f"{url}: no metadata object: incomplete or missing checkpoint") from None
+        raise no_metadata_error(store) from None
+
+
+def no_metadata_error(store: ObjectStore) -> CheckpointNotFoundError:
+    """What reading a checkpoint under ``store`` raises when it has no ``.metadata``."""
+    return CheckpointNotFoundError(f"{store.url_for(METADATA_KEY)}: no metadata object: incomplete or missing checkpoint")
 
 
 def parse_metadata(raw: bytes, url: str, allow_globals: Iterable[Any] = ()) -> Metadata:
