@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
 
 import dcpstore
 from benchmarks.scale import finish_bytes, global_step, simulate_plans, torch_metadata_bytes, write_results
@@ -103,6 +103,23 @@ def test_mismatches_fall_back_to_full_plans(w256):
     odd = list(plans)
     odd[5] = dataclasses.replace(odd[5], items=odd[5].items + [dataclasses.replace(odd[5].items[0], index=MetadataIndex("nope", [0, 0]))])
     assert planner_data.encode_plans(odd, metadata, written) is None
+    # Items the codes cannot carry: each field decoding would take from the metadata, changed alone.
+    item = plans[5].items[0]
+    data = item.tensor_data
+    wider = dataclasses.replace(data.chunk, sizes=torch.Size([data.chunk.sizes[0] + 1, data.chunk.sizes[1]]))
+    for changed in (
+        dataclasses.replace(item, tensor_data=dataclasses.replace(data, chunk=wider)),
+        dataclasses.replace(item, tensor_data=dataclasses.replace(data, properties=TensorProperties(dtype=torch.float64))),
+        dataclasses.replace(item, tensor_data=dataclasses.replace(data, size=torch.Size([1, 1]))),
+        dataclasses.replace(item, index=MetadataIndex(item.index.fqn, [1, 0])),
+        dataclasses.replace(item, bytes_io_data=object()),
+    ):
+        one_off = list(plans)
+        one_off[5] = dataclasses.replace(plans[5], items=[changed] + plans[5].items[1:])
+        assert planner_data.encode_plans(one_off, metadata, written) is None, changed
+    unusable = list(plans)
+    unusable[5] = dataclasses.replace(plans[5], usable=False)
+    assert planner_data.encode_plans(unusable, metadata, written) is None
     # finish() then persists the full plans, which read_plans still returns.
     raw, _ = finish_bytes([planner_data.strip_plan(p) for p in odd], metadata, results)
     loaded = pickle.loads(raw)
