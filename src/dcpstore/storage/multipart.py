@@ -256,7 +256,7 @@ async def put_in_parts(store: S3ObjectStore, key: str, data, request: dict, **co
     the object appear (and so the only one whose lost answer can leave the
     outcome unknown).  The condition is also checked by a HEAD just before
     the completion, for servers that do not enforce it there (Ceph RGW
-    16.2: see README, "Servers").  Parts are views of ``data``, at most
+    16.2: see README, "Development").  Parts are views of ``data``, at most
     ``max_concurrency`` in flight.  Any failure aborts the upload: a refused
     or failed commit leaves no parts behind (or ``abort_later`` keeps
     trying).  A retried completion answered ``NoSuchUpload`` means an
