@@ -42,6 +42,7 @@ class Rule:
     seen: int = 0  # matching requests so far
     hits: int = 0  # requests the fault was applied to
     answered: threading.Event = dataclasses.field(default_factory=threading.Event)  # a faulted request's handler is done
+    answered_at: float | None = None  # time.time() when it was (comparable across the test's processes)
 
     def matches(self, method: str, path: str) -> bool:
         return (
@@ -183,6 +184,7 @@ class FaultProxy:
                     self._serve()
                 finally:
                     if self.rule is not None:
+                        self.rule.answered_at = time.time()
                         self.rule.answered.set()
 
             def _serve(self) -> None:

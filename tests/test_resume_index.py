@@ -9,7 +9,7 @@ import torch
 from conftest import read_metadata_raw
 from dist_utils import run_ranks
 from test_checkpointer import assert_same
-from workers import checkpointer_resume_logged, checkpointer_three_saves, load_with_state_dict
+from workers import checkpointer_resume_logged, checkpointer_resume_then_save, checkpointer_three_saves, load_with_state_dict
 
 from dcpstore import resume_index
 from dcpstore.cli import main
@@ -73,6 +73,23 @@ def test_a_resharded_resume_reads_metadata(bucket, s3, proxy):
     for (step, loaded, *_rest), _logged in results.values():
         assert step == 30
         assert_same(loaded, final)
+
+
+def test_the_coordinators_read_of_metadata_never_holds_up_training(bucket, s3, proxy):
+    """The coordinator's GET of .metadata (for its next commit) is answered late; its save() returns before that.
+
+    An order, not a deadline: had save() waited for the global state, it
+    would return after the proxy answered the GET.
+    """
+    root = f"s3://{bucket}/run"
+    run_ranks(checkpointer_three_saves, 2, root, "central")
+    proxy.clear()
+    late = proxy.add("GET", r"/run/step_00000030/\.metadata$", delay=3.0)
+    results = run_ranks(checkpointer_resume_then_save, 2, root, proxy.endpoint)
+    assert late.hits == 1  # the coordinator's, in the background; no rank GETs it to resume
+    returned, reused = results[0]
+    assert reused and returned < late.answered_at
+    assert all(reused for _, reused in results.values())
 
 
 @pytest.mark.parametrize("saved_by", [2, 4], ids=["same-world-size", "resharded-4-to-2"])

@@ -6,6 +6,7 @@ import collections
 import datetime
 import os
 import signal
+import time
 
 import torch
 import torch.distributed as dist
@@ -383,3 +384,16 @@ def load_with_state_dict(rank, world_size, url, endpoint):
     dcp.load(sd, storage_reader=reader)
     reader.close()
     return gathered(sd)
+
+
+def checkpointer_resume_then_save(rank, world_size, root, endpoint):
+    """Resume from the latest step, then save once: when ``save()`` returned (``time.time()``), and whether the plan was reused."""
+    ckpt = dcpstore.AsyncCheckpointer(root, storage_options={"endpoint_url": endpoint})
+    sd = sharded_state_dict(world_size, 0, zeros=True)
+    step = ckpt.load(sd)
+    ckpt.save(sd, step=step + 1)
+    returned = time.time()
+    ckpt.wait()
+    reused = ckpt.last_stats.plan_reused
+    ckpt.close()
+    return returned, reused

@@ -313,7 +313,7 @@ class AsyncCheckpointer:
             # With a cached plan, stage only the items this rank writes: a
             # replicated item is copied to host by the one rank the plan's
             # dedup gave it to, not by every rank that holds it.
-            cached = self.plan_cache.lookup(local_plan, self.world_size)
+            cached = self.plan_cache.lookup(local_plan, self.world_size, wait=False)
             staged = pool.stage(list((cached.central_plan if cached else local_plan).items), planner)
         except Exception as e:
             self._executor.submit(self._run, _SaveJob(step, url, None, None, None, stats, error=e))

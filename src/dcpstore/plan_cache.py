@@ -74,19 +74,21 @@ class PlanCache:
     def entry(self) -> CachedPlan | None:
         return self._entry
 
-    def lookup(self, local_plan: SavePlan, world_size: int) -> CachedPlan | None:
-        """The cached plan for ``local_plan``, or ``None``; waits for a coordinator's pending global state.
+    def lookup(self, local_plan: SavePlan, world_size: int, *, wait: bool = True) -> CachedPlan | None:
+        """The cached plan for ``local_plan``, or ``None``.
 
-        Called on the save's background thread, so the wait (a coordinator
-        that resumed from the index and still reads ``.metadata``) delays
-        the first commit, not training.
+        With ``wait``, a coordinator's pending global state is waited for
+        (on the save's background thread: a coordinator that resumed from
+        the index and still reads ``.metadata`` delays its first commit, not
+        training).  Without it (staging, on the training thread) the entry's
+        own plans are all it gives.
         """
         entry = self._entry
         if entry is None or entry.world_size != world_size:
             return None
         if not same_plan(entry.local_plan, planner_data.strip_plan(local_plan)):
             return None
-        if entry.pending is not None:
+        if entry.pending is not None and wait:
             try:
                 entry.metadata, entry.all_local_plans = entry.pending.result()
             except Exception as e:  # noqa: BLE001 - the save plans in full instead
