@@ -439,3 +439,38 @@ def test_an_upload_that_cannot_be_aborted_is_named_with_the_gc_command(bucket, p
     (upload,) = store.list_multipart_uploads()
     assert f"s3://{bucket}/abort-never/obj: multipart upload {upload.upload_id} could not be aborted" in caplog.text
     assert f"`dcpstore gc s3://{bucket}/abort-never`" in caplog.text
+
+
+# -- coherence with fsspec's cached filesystems ---------------------------------------------
+
+
+@pytest.mark.parametrize("writer", ["dcpstore", "fsspec"])
+def test_fsspecs_cached_listing_sees_what_a_save_writes_and_a_delete_removes(writer, bucket):
+    """List, save, list; list, delete, list, in one process: the fsspec instance user code shares sees both.
+
+    ``writer="fsspec"`` is the reference: torch's FsspecWriter writes through that very instance.
+    """
+    import fsspec
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    import dcpstore
+    from dcpstore.layout import delete_committed_step
+
+    fs = fsspec.filesystem("s3")
+    fs.ls(bucket)  # cached: the bucket is empty
+    url = f"s3://{bucket}/lst/ck"
+    storage_writer = dcpstore.ObjectStoreWriter(url) if writer == "dcpstore" else FsspecWriter(url)
+    dcp.save({"w": torch.arange(4.0)}, storage_writer=storage_writer, no_dist=True)
+    assert f"{bucket}/lst" in fs.ls(bucket)
+    assert f"{bucket}/lst/ck/.metadata" in fs.ls(f"{bucket}/lst/ck")
+    if writer == "fsspec":
+        return
+    store = open_store(f"s3://{bucket}/lst")
+    try:
+        delete_committed_step(store, "ck")
+    finally:
+        store.close()
+    assert not fs.exists(f"{bucket}/lst/ck/.metadata")
+    assert f"{bucket}/lst" not in fs.ls(bucket)

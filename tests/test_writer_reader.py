@@ -460,3 +460,29 @@ def test_tied_destinations_load_the_item_that_comes_last(bucket, s3):
     tied = torch.zeros(1000)
     load({"emb": tied, "head": tied}, url)
     assert torch.equal(tied, sd["head"]) or torch.equal(tied, sd["emb"])
+
+
+def test_code_written_for_torchs_fsspec_classes_runs_with_their_arguments(bucket, s3, endpoint):
+    """FsspecWriter's and FsspecReader's keywords, each mapped or accepted; .fs; a reader that pickles."""
+    import fsspec
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    sd = sample_state_dict()
+    url = f"s3://{bucket}/ckpt"
+    writer = dcpstore.ObjectStoreWriter(
+        url, thread_count=2, sync_files=False, single_file_per_rank=True, per_thread_copy_ahead=1 << 20,
+        overwrite=False, endpoint_url=endpoint,  # a storage option, as FsspecWriter's **kwargs
+    )
+    assert writer.objects_per_rank == 2 and writer.storage_options == {"endpoint_url": endpoint}
+    assert writer.fs is fsspec.filesystem("s3", endpoint_url=endpoint)  # fsspec's shared instance, as FsspecWriter.fs
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    shards = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="ckpt/__")["Contents"]}
+    assert len(shards) == 2  # thread_count: objects a rank writes at once
+    reader = pickle.loads(pickle.dumps(dcpstore.ObjectStoreReader(url, endpoint_url=endpoint)))
+    out = zeros_like_state_dict(sd)
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert_state_dict_equal(out, sd)
+    with pytest.raises(ValueError, match="torch.save only"):
+        dcpstore.ObjectStoreWriter(url, serialization_format=SerializationFormat.SAFETENSORS)
+    with pytest.raises(ValueError, match="not both"):
+        dcpstore.ObjectStoreWriter(url, objects_per_rank=2, thread_count=2)

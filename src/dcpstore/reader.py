@@ -105,6 +105,10 @@ class ObjectStoreReader(StorageReader, StoreOwner):
             torch's checkpoints, the whole ``.metadata``.  ``dcp.load``
             asks for the metadata before any planner sees the state dict,
             so without this argument every rank reads all of ``.metadata``.
+
+    Like ``FsspecReader``, any other keyword is a storage option (merged into
+    ``storage_options``), and the reader pickles (its store is reopened on
+    first use after unpickling).
     """
 
     def __init__(
@@ -121,11 +125,12 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         allow_unsafe_pickle: bool = False,
         state_dict: dict[str, Any] | None = None,
         _extension_registry: ExtensionRegistry | None = None,
+        **fsspec_options: Any,
     ):
         super().__init__()
         self.state_dict = state_dict
         self.transforms = _StorageReaderTransforms(_extension_registry)
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = {**(storage_options or {}), **fsspec_options}
         self.transfer = transfer or TransferConfig()
         self.readahead_bytes = readahead_bytes
         self.coalesce_gap_bytes = coalesce_gap_bytes
@@ -135,6 +140,12 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         self.allow_unsafe_pickle = allow_unsafe_pickle
         self._store: ObjectStore | None = None
         self.reset(url)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the store, which ``store`` reopens (an S3 client cannot travel to another process)."""
+        state = self.__dict__.copy()
+        state["_store"] = None
+        return state
 
     def close(self) -> None:
         """Release the store (its pools go with the last store on them).

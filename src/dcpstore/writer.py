@@ -61,6 +61,7 @@ from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
     DEFAULT_SUFFIX,
+    SerializationFormat,
     _split_by_size_and_type,
     _StorageInfo,
     _StoragePrefix,
@@ -81,6 +82,8 @@ from .tensor_archive import save_tensor
 from .storage import ObjectStore, ObjectWriter, StoreOwner, TransferConfig, is_store_url
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_OBJECTS_PER_RANK = 4  # shard objects a rank writes at once
 
 # Compact plans this process persisted, by identity of the Metadata object they
 # describe: (weakref to it, the local plans they encode or None, compact form).
@@ -238,7 +241,9 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         overwrite: allow saving over a committed checkpoint.  The old shards
             are deleted only after the new ``.metadata`` is committed, so a
             failed overwrite loses nothing.
-        objects_per_rank: shard objects per rank, uploaded concurrently.
+        objects_per_rank: shard objects per rank, uploaded concurrently
+            (``DEFAULT_OBJECTS_PER_RANK``, 4, when neither it nor
+            ``thread_count`` is given).
         key_spread: place shard objects under this many hashed sub-prefixes
             of the checkpoint (``3f/__0_....distcp``), spread evenly over the
             key space, so that S3 can split the partition a save throttles
@@ -254,6 +259,27 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         _extensions: torch's stream extensions applied to every item, as
             ``FileSystemWriter(_extensions=...)`` takes them (EXPERIMENTAL
             in torch, hence the underscore), e.g. ``[ZStandard()]``.
+
+    ``FsspecWriter``'s arguments are accepted too, so code written for it
+    runs unchanged (``FsspecWriter(path, thread_count=8, sync_files=False,
+    key=..., secret=...)``):
+
+    * ``thread_count``: files each rank writes at once, each from a thread
+      of its own: here ``objects_per_rank`` (give one or the other);
+    * ``single_file_per_rank``: no effect.  A rank's items always go into
+      ``objects_per_rank`` objects; ``False`` (a file per item) would be
+      2,000 objects a rank in a real job.
+    * ``sync_files``: no effect.  A PUT is durable when it is answered;
+      on ``file://`` shards and ``.metadata`` are always fsynced.
+    * ``per_thread_copy_ahead``: no effect.  Staging copies a rank's items
+      into a bounded pool of host buffers before the upload starts.
+    * ``overwrite``: as above, but **False by default** (``FsspecWriter``:
+      True), so that a rerun cannot replace a committed checkpoint by
+      accident.
+    * ``serialization_format``: only ``SerializationFormat.TORCH_SAVE``, the
+      default; others raise ``ValueError``.
+    * any other keyword: a storage option, as ``FsspecWriter`` passes its
+      ``**kwargs`` to fsspec (merged into ``storage_options``).
     """
 
     def __init__(
@@ -262,20 +288,31 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         *,
         storage_options: dict[str, Any] | None = None,
         overwrite: bool = False,
-        objects_per_rank: int = 4,
+        objects_per_rank: int | None = None,
         key_spread: int = 1,
         transfer: TransferConfig | None = None,
         checksums: bool = True,
         commit_window: float = 60.0,
         _extensions: Sequence[StreamTransformExtension] | None = None,
+        thread_count: int | None = None,
+        single_file_per_rank: bool = True,
+        sync_files: bool = True,
+        per_thread_copy_ahead: int | None = None,
+        serialization_format: SerializationFormat = SerializationFormat.TORCH_SAVE,
+        **fsspec_options: Any,
     ):
         super().__init__()
+        if thread_count is not None and objects_per_rank is not None:
+            raise ValueError("give objects_per_rank or FsspecWriter's thread_count, not both")
+        objects_per_rank = next((n for n in (thread_count, objects_per_rank) if n is not None), DEFAULT_OBJECTS_PER_RANK)
+        if serialization_format != SerializationFormat.TORCH_SAVE:
+            raise ValueError(f"dcpstore writes items with torch.save only, not {serialization_format}")
         if objects_per_rank < 1:
             raise ValueError("objects_per_rank must be >= 1")
         if not 1 <= key_spread <= 256:
             raise ValueError("key_spread must be between 1 and 256")
         self.transforms = _StorageWriterTransforms(_extensions)
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = {**(storage_options or {}), **fsspec_options}
         self.transfer = transfer or TransferConfig()
         self.overwrite = overwrite
         self.objects_per_rank = objects_per_rank

@@ -8,7 +8,7 @@ from typing import Any
 
 import fsspec
 
-from .base import ObjectStore
+from .base import ObjectStore, url_to_fs
 from .config import TransferConfig
 from .connection import Connection
 from .local import LocalObjectStore
@@ -109,6 +109,16 @@ class StoreOwner:
         if self._store is None:
             self._store = open_store(self.url, self.storage_options, self.transfer)
         return self._store
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        """fsspec's own filesystem for ``url`` and ``storage_options`` (s3fs for ``s3://``), as ``FsspecWriter.fs`` is.
+
+        The instance user code shares through fsspec's instance cache, not
+        dcpstore's private client; dcpstore's writes and deletes show in its
+        listings (see ``s3.forget_listings``).
+        """
+        return url_to_fs(self.url, self.storage_options)[0]
 
     def move_store(self, url: str | os.PathLike) -> None:
         url = normalize_url(url)

@@ -21,6 +21,7 @@ import itertools
 import logging
 import math
 import random
+import sys
 import threading
 import time
 import uuid
@@ -48,6 +49,9 @@ logger = logging.getLogger(__name__)
 S3_SCHEMES = ("s3", "s3a")
 WRITE_TOKEN_KEY = "dcpstore-write"  # x-amz-meta of a conditional write: which writer's object storage holds
 ABORT_ROUNDS = 5  # background rounds of a failed abort, each under the retry policy, max_backoff apart
+
+# Requests after which an object may exist, or be gone, where it was not: listings must be redone.
+_CHANGES_LISTINGS = frozenset({"put_object", "complete_multipart_upload", "delete_objects"})
 
 # Requests S3 counts against a key range's write rate; the rest are reads.
 _WRITES = frozenset(
@@ -133,7 +137,17 @@ class S3ObjectStore(ObjectStore):
             raise RuntimeError(f"{self.url}: the store is closed")
         return asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
 
-    async def _call(
+    async def _call(self, op: str, key: str, method: str, **kwargs) -> Any:
+        """``_attempts``; after a request that may have added or removed objects, fsspec's listings of them are dropped."""
+        try:
+            return await self._attempts(op, key, method, **kwargs)
+        finally:
+            if method in _CHANGES_LISTINGS:
+                bucket = kwargs["Bucket"]
+                keys = [o["Key"] for o in kwargs["Delete"]["Objects"]] if method == "delete_objects" else [kwargs["Key"]]
+                forget_listings(f"{bucket}/{k}" for k in keys)
+
+    async def _attempts(
         self,
         op: str,
         key: str,
@@ -533,6 +547,32 @@ class S3ObjectStore(ObjectStore):
 
     def open_writer(self, key: str) -> ObjectWriter:
         return MultipartObjectWriter(self, key, self._connection.parts)
+
+
+def forget_listings(paths: Iterable[str]) -> None:
+    """Make every s3fs instance in fsspec's instance cache list ``paths`` (``bucket/key``) and their parents afresh.
+
+    dcpstore sends requests through a private client (see ``connect``).
+    s3fs instances that user code shares through fsspec's instance cache
+    (torchtitan's step discovery and purge, ``fsspec.filesystem("s3")``)
+    keep directory listings, which would never learn of dcpstore's writes
+    and deletes; stock ``FsspecWriter`` writes through such an instance,
+    which drops its own.  So dcpstore drops them too, in every cached
+    instance whatever its endpoint (their cache key holds no endpoint from
+    the environment, and one listing too many is the only cost).  Instances
+    made with ``skip_instance_cache=True`` are nobody's to find.
+    """
+    s3fs = sys.modules.get("s3fs")
+    if s3fs is None:
+        return  # never imported: no instance to hold a listing
+    paths = list(paths)
+    classes = [s3fs.S3FileSystem]
+    while classes:
+        cls = classes.pop()
+        classes.extend(cls.__subclasses__())
+        for fs in list(getattr(cls, "_cache", {}).values()):
+            for path in paths:
+                fs.invalidate_cache(path)
 
 
 async def _read_into(stream, sink, offset: int, limit: int) -> int:
