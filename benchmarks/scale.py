@@ -1,6 +1,6 @@
 """What a checkpoint costs as the world size W and the items per rank N grow, simulated in one process.
 
-    python -m benchmarks.scale                 # N = 64: W = 8..4096; N = 2000: W = 8..1024 (about 20 min)
+    python -m benchmarks.scale                 # N = 64: W = 8..4096; N = 2000: W = 8..1024 (15 min)
     python -m benchmarks.scale --grid 8x64 64x2000 --out /tmp/s   # quick
 
 No process group, no storage but ``memory://``: W ranks' local plans are made
@@ -342,7 +342,7 @@ def plot(results: dict, path: str) -> bool:
     return True
 
 
-# N = 2,000 stops at W = 1,024: 9.1 GiB peak RSS on this machine's 23 GiB (~36 GiB at 4,096).
+# N = 2,000 stops at W = 1,024: 10.1 GiB peak RSS on the 23 GiB development machine (~40 GiB at 4,096).
 DEFAULT_GRID = ["8x64", "64x64", "256x64", "1024x64", "4096x64", "8x2000", "64x2000", "256x2000", "1024x2000"]
 
 
