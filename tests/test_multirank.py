@@ -90,3 +90,17 @@ def test_async_save_in_a_checkpoint_process(bucket):
     while any(_running(pid) for pid in pids.values()) and time.monotonic() < deadline:
         time.sleep(0.1)  # polling for an exit there is no event for
     assert not [pid for pid in pids.values() if _running(pid)]
+
+
+def test_a_refused_commit_deletes_the_losers_shards_once(bucket, s3, proxy):
+    """2 gloo ranks lose the commit to another job: one batched DELETE request removes all they wrote."""
+    from workers import save_losing_the_commit
+
+    url = f"s3://{bucket}/ckpt"
+    errors = run_ranks(save_losing_the_commit, 2, url, proxy.endpoint)
+    assert all(error and "Checkpoint already exists" in error for error in errors.values()), errors
+    deletes = [(m, p) for m, p in proxy.requests if m == "POST" and p.split("?", 1)[-1].startswith("delete")]
+    assert len(deletes) == 1, deletes
+    left = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="ckpt/").get("Contents", [])]
+    assert left == ["ckpt/.metadata"]  # the other job's commit, and nothing of the loser's
+    assert s3.get_object(Bucket=bucket, Key="ckpt/.metadata")["Body"].read() == b"another job's commit"

@@ -397,3 +397,24 @@ def checkpointer_resume_then_save(rank, world_size, root, endpoint):
     reused = ckpt.last_stats.plan_reused
     ckpt.close()
     return returned, reused
+
+
+def save_losing_the_commit(rank, world_size, url, endpoint):
+    """Plain ``dcp.save`` whose ``.metadata`` another job commits first (rank 0 plants it mid-upload); the error each rank sees."""
+    import boto3
+
+    class Losing(dcpstore.ObjectStoreWriter):
+        def write_data(self, plan, planner):
+            if rank == 0:
+                bucket, _, prefix = url.removeprefix("s3://").partition("/")
+                boto3.client("s3").put_object(Bucket=bucket, Key=f"{prefix}/.metadata", Body=b"another job's commit")
+            return super().write_data(plan, planner)
+
+    writer = Losing(url, storage_options={"endpoint_url": endpoint})
+    try:
+        dcp.save(sharded_state_dict(world_size, 0), storage_writer=writer)
+    except BaseException as e:  # noqa: BLE001 - CheckpointException is one
+        return str(e)
+    finally:
+        writer.close()
+    return None
