@@ -277,3 +277,34 @@ def test_a_failed_load_raises_an_exception_naming_the_step_and_object(bucket, s3
     assert f"loading step 7 from {root}/step_00000007 failed: rank 0" in str(error)
     assert shard.split("/")[-1] in str(error)
     assert isinstance(error.__cause__, dcpstore.ObjectNotFoundError)
+
+
+@pytest.mark.parametrize("first", ["result", "maybe_finalize", "wait", "save", "close"])
+def test_a_failed_save_is_raised_once_and_the_next_save_commits(first, bucket, proxy):
+    """Step 1's uploads are refused; whichever API sees the failure first raises it, no later one does."""
+    import concurrent.futures
+
+    for method in ("PUT", "POST"):
+        proxy.add(method, r"/run/step_00000001/.*\.distcp", status=403, code="AccessDenied")
+    ckpt = dcpstore.AsyncCheckpointer(f"s3://{bucket}/run", storage_options={"endpoint_url": proxy.endpoint}, max_in_flight=1)
+    handle = ckpt.save({"w": torch.ones(4)}, step=1)
+    concurrent.futures.wait([handle._future])  # failed, not yet delivered
+    with pytest.raises(dcpstore.CheckpointSaveError, match="step_00000001"):
+        if first == "result":
+            handle.result()
+        elif first == "maybe_finalize":
+            ckpt.maybe_finalize()
+        elif first == "wait":
+            ckpt.wait()
+        elif first == "save":
+            ckpt.save({"w": torch.ones(4)}, step=2)  # waits for step 1's slot, and delivers its failure
+        else:
+            ckpt.close()
+    if first == "close":
+        ckpt.close()  # closed: nothing more to deliver
+        return
+    assert ckpt.maybe_finalize() == [] and ckpt.wait() == []  # not again
+    ckpt.save({"w": torch.full((4,), 3.0)}, step=3)
+    assert ckpt.wait() == [3]
+    assert ckpt.committed_steps() == [3]
+    ckpt.close()

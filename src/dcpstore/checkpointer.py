@@ -97,13 +97,22 @@ class SaveStats:
 
 
 class SaveHandle:
-    """A pending save.  ``result()`` blocks until committed and returns its stats."""
+    """A pending save.  ``result()`` blocks until committed and returns its stats.
+
+    A failed save's error reaches the caller once: through whichever of
+    ``result()``, ``AsyncCheckpointer.maybe_finalize()``, ``wait()``,
+    ``save()`` (waiting for a slot) or ``close()`` sees it first.  The
+    checkpointer's calls then pass over it, so a loop that caught it goes on
+    saving.  ``result()`` itself, asked again, raises it again, as a
+    future's does.
+    """
 
     def __init__(
         self, step: int, url: str, future: concurrent.futures.Future, stats: SaveStats, pool: StagingPool | None = None
     ):
         self.step, self.url, self._future, self.stats = step, url, future, stats
         self._pool = pool  # the staging pool the save reads from until it is done
+        self.failure_delivered = False  # its error has been raised to the caller
 
     def done(self) -> bool:
         return self._future.done()
@@ -113,6 +122,9 @@ class SaveHandle:
             return self._future.result(timeout)
         except concurrent.futures.TimeoutError:
             raise CheckpointTimeoutError(f"{self.url}: save of step {self.step} not committed after {timeout}s") from None
+        except BaseException:
+            self.failure_delivered = True
+            raise
 
 
 def _describe(exc: BaseException) -> str:
@@ -347,7 +359,9 @@ class AsyncCheckpointer:
         """
         committed = []
         while self._pending and self._pending[0].done():
-            committed.append(self._finalize(self._pending[0], timeout=0).step)
+            stats = self._finalize(self._pending[0], timeout=0)
+            if stats is not None:
+                committed.append(stats.step)
         return committed
 
     def wait(self, timeout: float | None = None) -> list[int]:
@@ -356,16 +370,22 @@ class AsyncCheckpointer:
         committed = []
         while self._pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            committed.append(self._finalize(self._pending[0], timeout=left).step)
+            stats = self._finalize(self._pending[0], timeout=left)
+            if stats is not None:
+                committed.append(stats.step)
         return committed
 
-    def _finalize(self, handle: SaveHandle, timeout: float | None) -> SaveStats:
+    def _finalize(self, handle: SaveHandle, timeout: float | None) -> SaveStats | None:
+        """``handle``'s stats once it is done, and off the pending list; ``None`` for a failure already delivered."""
+        delivered = handle.failure_delivered
         try:
             stats = handle.result(timeout)
         except CheckpointTimeoutError:
             raise
         except BaseException:
             self._pending.remove(handle)
+            if delivered:
+                return None  # the caller has had it (from handle.result()): pass over it
             raise
         self._pending.remove(handle)
         self.last_stats = stats
