@@ -276,20 +276,8 @@ def read_directory(store, pointer: dict[str, Any], world_size: int | None) -> di
     ``world_size``: the job that will use it (another one reads ``.metadata``:
     a resharded load), or ``None`` to read it whatever it was saved by.
     """
-    try:
-        offset, length, digest = pointer["directory"]
-        if not (type(offset) is int and type(length) is int and 0 <= offset and 0 < length <= MAX_DIRECTORY_BYTES):
-            raise ValueError("bad bounds")
-    except (KeyError, IndexError, TypeError, ValueError) as e:
-        raise IndexUnusable(f"the resume index pointer is malformed ({e})") from None
-    key = pointer["key"]
-    try:
-        raw = store.get_range(key, offset, offset + length)
-    except ObjectNotFoundError:
-        raise IndexUnusable(f"{store.url_for(key)}: the resume index is missing") from None
-    except CorruptCheckpointError as e:
-        raise IndexUnusable(f"{store.url_for(key)}: the resume index is shorter than .metadata says ({e})") from None
-    directory = _inflate(raw, digest, MAX_DIRECTORY_BYTES, f"{store.url_for(key)}: the directory")
+    key = pointer.get("key")
+    directory = _read_part(store, key, pointer.get("directory"), MAX_DIRECTORY_BYTES, MAX_DIRECTORY_BYTES, "the directory")
     blocks = directory.get("blocks")
     if directory.get("version") != VERSION or not isinstance(blocks, list):
         raise IndexUnusable(f"{store.url_for(key)}: the directory is not one this dcpstore reads")
@@ -302,10 +290,33 @@ def read_directory(store, pointer: dict[str, Any], world_size: int | None) -> di
     return {**directory, "key": key}
 
 
+def _read_part(store, key: Any, bounds: Any, max_bytes: int, max_inflated: int, what: str) -> dict[str, Any]:
+    """The zlib JSON object at ``bounds`` (``[offset, length, sha256]``) of ``key``: one ranged GET, checked; raises ``IndexUnusable``.
+
+    The directory and each rank's block are read alike: bounds checked
+    before the GET (at most ``max_bytes``), the bytes against their hash,
+    the inflated text against ``max_inflated``.
+    """
+    try:
+        offset, length, digest = bounds
+        if not (isinstance(key, str) and type(offset) is int and type(length) is int and 0 <= offset and 0 < length <= max_bytes):
+            raise ValueError("bad bounds")
+    except (TypeError, ValueError) as e:
+        raise IndexUnusable(f"the resume index's entry for {what} is malformed ({e})") from None
+    where = f"{store.url_for(key)}: {what}"
+    try:
+        raw = store.get_range(key, offset, offset + length)
+    except ObjectNotFoundError:
+        raise IndexUnusable(f"{store.url_for(key)}: the resume index is missing") from None
+    except CorruptCheckpointError as e:
+        raise IndexUnusable(f"{where}: the resume index is shorter than its directory says ({e})") from None
+    return _inflate(raw, digest, max_inflated, where)
+
+
 def _inflate(raw: bytes, digest: str, limit: int, what: str) -> dict[str, Any]:
     """A zlib JSON object that must hash to ``digest`` and inflate to at most ``limit`` bytes; raises ``IndexUnusable``."""
     if hashlib.sha256(raw).hexdigest() != digest:
-        raise IndexUnusable(f"{what} does not match its hash in .metadata")
+        raise IndexUnusable(f"{what} does not match its hash")
     try:
         inflater = zlib.decompressobj()
         text = inflater.decompress(raw, limit)
@@ -327,18 +338,9 @@ def rank_entry(directory: dict[str, Any], rank: int) -> dict[str, Any]:
 
 def read_block(store, entry: dict[str, Any]) -> dict[str, Any]:
     """The block ``rank_entry`` names: one ranged GET, checked against its hash in the directory; raises ``IndexUnusable``."""
-    rank = entry.get("rank")
-    try:
-        offset, length, digest = entry["block"]
-        if not (type(offset) is int and type(length) is int and 0 <= offset and 0 < length <= MAX_BLOCK_BYTES):
-            raise ValueError("bad block bounds")
-    except (KeyError, IndexError, TypeError, ValueError) as e:
-        raise IndexUnusable(f"the directory entry of rank {rank} is malformed ({e})") from None
-    try:
-        raw = store.get_range(entry["key"], offset, offset + length)
-    except (ObjectNotFoundError, CorruptCheckpointError) as e:
-        raise IndexUnusable(f"block of rank {rank}: {e}") from None
-    return _inflate(raw, digest, MAX_BLOCK_JSON, f"{store.url_for(entry['key'])}: block of rank {rank}")
+    return _read_part(
+        store, entry.get("key"), entry.get("block"), MAX_BLOCK_BYTES, MAX_BLOCK_JSON, f"the block of rank {entry.get('rank')}"
+    )
 
 
 def check(store, metadata: Metadata, sizes: dict[str, int], deep: bool) -> list[str]:
