@@ -152,29 +152,29 @@ def test_demo_kills_and_resumes(moto_endpoint):
 
 
 def test_gc_never_deletes_a_step_that_commits_after_the_listing(run_root, s3, bucket):
-    from dcpstore.cli import delete_incomplete_step, plan_gc
+    from dcpstore.layout import delete_incomplete_step
+    from dcpstore.steps import plan_gc
     from dcpstore.storage import open_store
 
     root, _ = run_root
     store = open_store(root)
-    incomplete, _, _ = plan_gc(store, None, grace=0)
-    step = next(s for s in incomplete if s.step == 300)
+    step = next(s for s in plan_gc(store, None, grace=0).incomplete if s.step == 300)
     s3.put_object(Bucket=bucket, Key="run-7/step_00000300/.metadata", Body=b"committed meanwhile")
     assert not delete_incomplete_step(store, step)
     assert object_exists(s3, bucket, "run-7/step_00000300/__0_0.distcp")
 
 
-def test_gc_on_a_server_without_list_multipart_uploads(run_root, proxy, capsys):
-    from dcpstore.cli import plan_gc
+def test_gc_on_a_server_without_list_multipart_uploads(run_root, proxy, caplog):
+    from dcpstore.steps import plan_gc
     from dcpstore.storage import open_store
 
     root, _ = run_root
     rule = proxy.add("GET", r"\?uploads", status=501, code="NotImplemented")
     store = open_store(root, storage_options={"endpoint_url": proxy.endpoint})
-    incomplete, uploads, _ = plan_gc(store, None, grace=0)
-    assert [s.step for s in incomplete] == [300] and uploads == []
+    plan = plan_gc(store, None, grace=0)
+    assert [s.step for s in plan.incomplete] == [300] and plan.uploads == []
     assert rule.hits == 1  # 501 is not retried
-    assert "open multipart uploads could not be listed" in capsys.readouterr().err
+    assert "open multipart uploads could not be listed" in caplog.text
 
 
 def test_verify_deep_reads_zstd_compressed_items(bucket, capsys):

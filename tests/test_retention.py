@@ -81,3 +81,38 @@ def test_gc_keep_last_follows_commit_order_too(root, capsys):
     assert "deleting committed step 300" in capsys.readouterr().out
     with dcpstore.AsyncCheckpointer(root) as ckpt:
         assert ckpt.committed_steps() == [250]
+
+
+def test_torchtitan_step_names_keep_commit_order_and_stay_apart_from_dcpstore_names(root, capsys):
+    """``StepNaming.TORCHTITAN`` writes ``step-N``; retention, latest and load see only those; the CLI sees both."""
+    from dcpstore.cli import main
+    from dcpstore.layout import StepNaming, list_steps
+    from dcpstore.storage import open_store
+
+    with dcpstore.AsyncCheckpointer(root) as ckpt:
+        _save(ckpt, 7, 7)  # another naming under the same root: never pruned, never latest here
+    with dcpstore.AsyncCheckpointer(root, keep_last=2, step_naming=StepNaming.TORCHTITAN) as ckpt:
+        for step, value in ((10, 1), (20, 2), (5, 3)):
+            _save(ckpt, step, value)
+        assert ckpt.step_url(5).endswith("/step-5")
+        assert ckpt.committed_steps() == [20, 5]  # commit order: 5 is the newest
+        assert _loaded(ckpt) == (5, 3.0)
+    assert [s.prefix for s in list_steps(open_store(root))] == ["step-5", "step_00000007", "step-20"]
+    assert main(["ls", root]) == 0
+    listed = [line.split()[:2] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert listed == [["5", "committed"], ["7", "committed"], ["20", "committed"]]
+
+
+def test_gc_grace_deletes_failed_saves_debris_after_a_commit_and_spares_young_debris(root):
+    """With ``gc_grace``, a commit also deletes incomplete steps older than the grace period, as ``dcpstore gc`` does."""
+    from dcpstore.layout import list_steps
+    from dcpstore.storage import open_store
+
+    store = open_store(root)
+    store.put("step_00000003/__0_0.distcp", b"a failed save's shard")
+    with dcpstore.AsyncCheckpointer(root, gc_grace=3600) as ckpt:
+        _save(ckpt, 4, 4)  # the debris is seconds old: it may be a save still running
+        assert [s.step for s in list_steps(store)] == [3, 4]
+    with dcpstore.AsyncCheckpointer(root, keep_last=5, gc_grace=0) as ckpt:
+        _save(ckpt, 5, 5)
+    assert [(s.step, s.committed) for s in list_steps(store)] == [(4, True), (5, True)]

@@ -68,11 +68,11 @@ from .errors import (
     DcpstoreError,
     ObjectNotFoundError,
 )
-from .layout import METADATA_KEY, committed_steps, delete_committed_step, step_prefix
+from .layout import METADATA_KEY, StepNaming, committed_steps, list_steps
 from .plan_cache import CachedPlan, PlanCache
 from .reader import ObjectStoreReader, check_state_dict, no_metadata_error, parse_metadata, read_metadata_bytes
 from .staging import StagedItems, StagingPool
-from .steps import CommitOrder, CommitRecord, retained
+from .steps import CommitOrder, CommitRecord, plan_gc
 from .storage import TransferConfig, normalize_url, open_store
 from .writer import ObjectStoreWriter
 
@@ -116,6 +116,15 @@ class SaveHandle:
 
     def done(self) -> bool:
         return self._future.done()
+
+    @property
+    def future(self) -> concurrent.futures.Future:
+        """The save as a plain future, for APIs that want one (torchtitan's ``save_future``).
+
+        Its ``result()`` does not count as delivering a failure: the
+        checkpointer's ``wait()`` still raises it.
+        """
+        return self._future
 
     def result(self, timeout: float | None = None) -> SaveStats:
         try:
@@ -204,7 +213,8 @@ class AsyncCheckpointer:
     """Asynchronous, plan-caching DCP checkpoints of a training job, one step per prefix.
 
     Args:
-        root: where steps go: ``{root}/step_{step:08d}/`` (``s3://bucket/run-7``).
+        root: where steps go: ``{root}/step_{step:08d}/`` (``s3://bucket/run-7``),
+            or ``{root}/step-{step}/`` with ``step_naming=StepNaming.TORCHTITAN``.
         process_group: a gloo group for the checkpointer's collectives.  By
             default one is created from the default group (a collective call:
             construct the checkpointer on every rank).
@@ -213,6 +223,10 @@ class AsyncCheckpointer:
             the one just committed and its lineage (the steps it continued
             from, through ``load``) first, then the most recently committed
             (see ``steps``); delete the rest.  ``None`` keeps all.
+        gc_grace: after each commit, also delete the debris of failed saves
+            (incomplete steps and open multipart uploads) once nothing
+            under it is younger than ``gc_grace`` seconds, as ``dcpstore gc
+            --grace`` does.  ``None`` (the default) leaves debris to ``gc``.
         planning: ``"central"`` (torch's gather/scatter through a
             coordinator) or ``"decentralized"`` (one all-gather; every rank
             builds the global plan itself).
@@ -230,6 +244,8 @@ class AsyncCheckpointer:
             (connect + read timeout + 1 s).  It returns as soon as the
             ``.metadata`` shows up.
         transfer, objects_per_rank, key_spread: see ``ObjectStoreWriter``.
+        step_naming: how step prefixes are named (``layout.StepNaming``).
+            The checkpointer sees only the steps named its way.
     """
 
     def __init__(
@@ -248,6 +264,8 @@ class AsyncCheckpointer:
         objects_per_rank: int = 4,
         key_spread: int = 1,
         pin_memory: bool | None = None,
+        gc_grace: float | None = None,
+        step_naming: StepNaming = StepNaming.DCPSTORE,
     ):
         if planning not in PLANNING_MODES:
             raise ValueError(f"planning must be one of {PLANNING_MODES}, got {planning!r}")
@@ -258,6 +276,8 @@ class AsyncCheckpointer:
         self.root = normalize_url(root)
         self.storage_options = dict(storage_options or {})
         self.keep_last = keep_last
+        self.gc_grace = gc_grace
+        self.step_naming = StepNaming(step_naming)
         self.planning = planning
         self.planner_factory = planner_factory
         self.max_in_flight = max_in_flight
@@ -295,8 +315,11 @@ class AsyncCheckpointer:
     def world_size(self) -> int:
         return self._coll.world_size
 
+    def step_prefix(self, step: int) -> str:
+        return self.step_naming.prefix(step)
+
     def step_url(self, step: int) -> str:
-        return f"{self.root}/{step_prefix(step)}"
+        return f"{self.root}/{self.step_prefix(step)}"
 
     # -- saving ---------------------------------------------------------------------
 
@@ -413,7 +436,7 @@ class AsyncCheckpointer:
                 writer.reset(job.url)
                 writer.set_up_storage_writer(self._coll.is_coordinator, rank=self.rank)
                 # An early, friendly refusal; the conditional commit is what guarantees it.
-                if self.store.exists(f"{step_prefix(job.step)}/{METADATA_KEY}"):
+                if self.store.exists(f"{self.step_prefix(job.step)}/{METADATA_KEY}"):
                     raise CheckpointExistsError(
                         f"{job.url}: Checkpoint already exists: step {job.step} is already committed; steps are never overwritten"
                     )
@@ -539,12 +562,12 @@ class AsyncCheckpointer:
             return Outcome.REFUSED, {self.rank: f"writing .metadata was refused: {_describe(e)}"}
         except Exception as e:  # noqa: BLE001
             return Outcome.FAILED, {self.rank: f"writing .metadata failed: {_describe(e)}"}
-        self._order.remember(record)
+        self._order.remember(self.step_prefix(job.step), record)
         self._sequence = record.sequence
-        if self.keep_last is not None:
+        if self.keep_last is not None or self.gc_grace is not None:
             # Before the outcome goes out: once a save is done on any
             # rank, every rank's committed_steps() lists what is kept.
-            self._prune()
+            self._collect()
         return None
 
     def _next_commit(self, job: _SaveJob) -> CommitRecord:
@@ -554,7 +577,7 @@ class AsyncCheckpointer:
         listing, one HEAD a step); later ones count on from there.
         """
         if self._sequence is None:
-            records = self._order.records(committed_steps(self.store))
+            records = self._order.records(committed_steps(self.store, self.step_naming))
             self._sequence = self._order.next_sequence(records) - 1
             self._highest_step = max((r.step for r in records), default=None)
         if self._highest_step is not None and job.step < self._highest_step:
@@ -592,25 +615,27 @@ class AsyncCheckpointer:
         messages = self._coll.all_gather(_describe(error) if error is not None else None)
         raise CheckpointSaveError(url, {r: m for r, m in enumerate(messages) if m is not None}) from error
 
-    def _prune(self) -> None:
-        """Delete committed steps beyond ``keep_last`` (coordinator only); best effort.
+    def _collect(self) -> None:
+        """Delete committed steps beyond ``keep_last`` and, with ``gc_grace``, failed saves' debris (coordinator only); best effort.
 
         Kept: the newest commit and its lineage, then the newest of the rest
-        (see ``steps.retained``), so the step just committed always stays.
-        A failure here is logged.
+        (see ``steps.retained``), so the step just committed always stays,
+        and steps whose commit outcome this job could not learn.  Runs on
+        the save's background thread: one listing, batched deletes.  A
+        failure here is logged.
         """
         try:
-            records = self._order.records(committed_steps(self.store))
-            keep = retained(records, self.keep_last) | self._unsettled
-            for record in records:
-                if record.step not in keep:
-                    delete_committed_step(self.store, step_prefix(record.step))
+            steps = [s for s in list_steps(self.store) if self.step_naming.parse(s.prefix) is not None]
+            plan = plan_gc(
+                self.store, self.keep_last, self.gc_grace, steps=steps, order=self._order, keep=frozenset(self._unsettled)
+            )
+            plan.run(self.store)
         except Exception as e:  # noqa: BLE001
-            logger.warning("%s: keep_last=%d pruning failed: %s", self.root, self.keep_last, e)
+            logger.warning("%s: deleting old steps (keep_last=%s, gc_grace=%s) failed: %s", self.root, self.keep_last, self.gc_grace, e)
 
     def _ordered_steps(self) -> list[int]:
         """Committed steps under the root, oldest commit first (see ``steps``)."""
-        return [r.step for r in self._order.records(committed_steps(self.store))]
+        return [r.step for r in self._order.records(committed_steps(self.store, self.step_naming))]
 
     # -- reading ------------------------------------------------------------------------
 
@@ -738,7 +763,7 @@ class AsyncCheckpointer:
 
     def _metadata_bytes(self, step: int) -> bytes | BaseException:
         """On the coordinator: ``.metadata``'s bytes to broadcast, or the error every rank raises."""
-        child = self.store.child(step_prefix(step))
+        child = self.store.child(self.step_prefix(step))
         try:
             return read_metadata_bytes(child)
         except Exception as e:  # noqa: BLE001 - the peers wait in the broadcast: they must hear of it
@@ -791,7 +816,7 @@ class AsyncCheckpointer:
                 if not steps:
                     raise CheckpointNotFoundError(f"{self.root}: no committed checkpoint to load")
                 step = steps[-1]
-            child = self.store.child(step_prefix(step))
+            child = self.store.child(self.step_prefix(step))
             try:
                 return (step, *self._index_directory(child, step))
             finally:

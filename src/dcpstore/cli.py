@@ -22,8 +22,8 @@ import zlib
 
 from tqdm import tqdm
 
-from .errors import DcpstoreError, UnsafeCheckpointError, UnsupportedByStoreError
-from .layout import METADATA_KEY, StepInfo, delete_committed_step, list_steps, parse_step, step_prefix
+from .errors import DcpstoreError, UnsafeCheckpointError
+from .layout import METADATA_KEY, StepInfo, list_steps, open_uploads, parse_step, step_prefix
 from .storage import ObjectStore, open_store
 
 # torch (and the modules that need it) are imported by the commands that read
@@ -57,7 +57,7 @@ def _progress(items: list, desc: str, unit: str, at_least: int = 1):
 def cmd_ls(args) -> int:
     """Steps from the object listing alone: no ``.metadata`` is read (``inspect`` shows world size)."""
     store = open_store(args.root)
-    uploads = _open_uploads(store)
+    uploads = open_uploads(store)
     open_by_step: dict[str, int] = {}
     for up in uploads:
         head = up.key.split("/", 1)[0]
@@ -200,77 +200,23 @@ def cmd_verify(args) -> int:
     return 0
 
 
-def _open_uploads(store: ObjectStore) -> list:
-    """Open multipart uploads under ``store``; empty, with a note, where the server cannot list them."""
-    try:
-        return store.list_multipart_uploads()
-    except UnsupportedByStoreError as e:
-        print(f"note: open multipart uploads could not be listed ({e})", file=sys.stderr)
-        return []
-
-
-def plan_gc(store: ObjectStore, keep_last: int | None, grace: float, now: float | None = None):
-    """What ``gc`` would delete: ``(incomplete_steps, stale_uploads, pruned_steps)``.
-
-    An incomplete step is only a candidate when nothing under it, neither
-    an object nor an open multipart upload, is younger than ``grace``: a
-    save may still be running there.
-    """
-    now = time.time() if now is None else now
-    steps = list_steps(store)
-    committed = [s for s in steps if s.committed]
-    all_uploads = _open_uploads(store)
-    active = {u.key.split("/", 1)[0] for u in all_uploads if (u.initiated or 0) >= now - grace}
-    incomplete = [
-        s for s in steps if not s.committed and (s.last_modified or 0) < now - grace and s.prefix not in active
-    ]
-    uploads = [u for u in all_uploads if (u.initiated or 0) < now - grace]
-    pruned = []
-    if keep_last is not None and len(committed) > keep_last:
-        # By commit order and lineage, as AsyncCheckpointer(keep_last=...) keeps them (see steps).
-        from .steps import CommitOrder, retained
-
-        keep = retained(CommitOrder(store).records([s.step for s in committed]), keep_last)
-        pruned = [s for s in committed if s.step not in keep]
-    return incomplete, uploads, pruned
-
-
 def cmd_gc(args) -> int:
+    from .steps import plan_gc
+
     store = open_store(args.root)
-    incomplete, uploads, pruned = plan_gc(store, args.keep_last, args.grace)
+    plan = plan_gc(store, args.keep_last, args.grace)
     verb = "would delete" if args.dry_run else "deleting"
-    for s in incomplete:
+    for s in plan.incomplete:
         print(f"{verb} incomplete step {s.step} ({s.objects} objects, {_size(s.size)})")
-    for u in uploads:
+    for u in plan.uploads:
         print(f"{'would abort' if args.dry_run else 'aborting'} multipart upload of {store.url_for(u.key)}")
-    for s in pruned:
+    for s in plan.pruned:
         print(f"{verb} committed step {s.step} (beyond --keep-last {args.keep_last})")
     if args.dry_run:
         return 0
-    for u in _progress(uploads, "abort uploads", "upload", at_least=20):
-        store.abort_upload(u.key, u.upload_id)
-    deleted = 0
-    for s in _progress(incomplete, "delete incomplete steps", "step", at_least=5):
-        deleted += delete_incomplete_step(store, s)
-    for s in _progress(pruned, "delete steps", "step", at_least=5):
-        delete_committed_step(store, s.prefix)
-    print(f"done: {deleted} incomplete and {len(pruned)} committed steps deleted, {len(uploads)} uploads aborted")
+    deleted = plan.run(store, progress=lambda items, desc, unit: _progress(items, desc, unit, at_least=5))
+    print(f"done: {deleted} incomplete and {len(plan.pruned)} committed steps deleted, {len(plan.uploads)} uploads aborted")
     return 0
-
-
-def delete_incomplete_step(store: ObjectStore, step) -> bool:
-    """Delete the objects ``plan_gc`` listed for an incomplete step, unless it has committed since.
-
-    Only the listed objects go: shards a new save wrote after the listing
-    are left alone, and a step whose ``.metadata`` appeared after the
-    listing is skipped.
-    """
-    child = store.child(step.prefix)
-    if child.exists(METADATA_KEY):
-        print(f"skipping step {step.step}: it was committed after gc listed it")
-        return False
-    child.delete([k for k in step.keys if k != METADATA_KEY])
-    return True
 
 
 def cmd_demo(args) -> int:

@@ -163,7 +163,7 @@ def _print_report(root: str, reports: list, die_after: int) -> None:
     print(f"resumed from:               step {resumed} (latest committed)")
     print(f"first save after resume:    step {after_resume['step']}, plans reused: {after_resume['plan_reused']} "
           f"(planning {after_resume['planning_ms']:.1f} ms)")
-    print(f"committed steps now:        {committed_steps(open_store(root))}")
+    print(f"committed steps now:        {[s.step for s in committed_steps(open_store(root))]}")
     print(f"final loss:                 {second['loss']:.4f}")
 
 

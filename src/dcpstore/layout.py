@@ -1,34 +1,63 @@
 """Where a checkpointer's steps live under its root, and how to list them.
 
 Each step is a DCP checkpoint at ``{root}/step_{step:08d}/``; zero-padding
-keeps lexical and numeric order the same in any object-store listing.  A step
+keeps lexical and numeric order the same in any object-store listing.
+torchtitan names its steps ``{root}/step-{step}/``; a checkpointer can write
+that form (``StepNaming.TORCHTITAN``), so that stock torchtitan resumes from
+its steps and it from torchtitan's.  Listing recognizes both forms.  A step
 counts as committed exactly when its ``.metadata`` object exists.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import logging
 import re
 
-from .storage import ObjectStore
+from .errors import UnsupportedByStoreError
+from .storage import MultipartUploadInfo, ObjectStore
+
+logger = logging.getLogger(__name__)
 
 METADATA_KEY = ".metadata"  # a DCP checkpoint exists exactly when this object does
 # User metadata (x-amz-meta-*) of a committed .metadata: the nonce of the save
 # that wrote it (= StorageMeta.save_id inside it; see commit).
 NONCE_KEY = "dcpstore-save"
 
-_STEP_RE = re.compile(r"^step_(\d{8,})$")
 
 
-def step_prefix(step: int) -> str:
-    if step < 0:
-        raise ValueError(f"step must be >= 0, got {step}")
-    return f"step_{step:08d}"
+class StepNaming(enum.Enum):
+    """How a step's prefix under the root is named."""
+
+    DCPSTORE = "dcpstore"  # step_00001000: listings come back in step order
+    TORCHTITAN = "torchtitan"  # step-1000: torchtitan's CheckpointManager's folders
+
+    def prefix(self, step: int) -> str:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        return f"step_{step:08d}" if self is StepNaming.DCPSTORE else f"step-{step}"
+
+    def parse(self, prefix: str) -> int | None:
+        """The step that ``prefix`` names in this form, or ``None``."""
+        match = _STEP_RES[self].match(prefix.strip("/"))
+        return int(match.group(1)) if match else None
+
+
+_STEP_RES = {StepNaming.DCPSTORE: re.compile(r"^step_(\d{8,})$"), StepNaming.TORCHTITAN: re.compile(r"^step-(\d+)$")}
+
+
+def step_prefix(step: int, naming: StepNaming = StepNaming.DCPSTORE) -> str:
+    return naming.prefix(step)
 
 
 def parse_step(prefix: str) -> int | None:
-    match = _STEP_RE.match(prefix.strip("/"))
-    return int(match.group(1)) if match else None
+    """The step that ``prefix`` names in either form, or ``None``."""
+    for naming in StepNaming:
+        step = naming.parse(prefix)
+        if step is not None:
+            return step
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +92,7 @@ def list_steps(store: ObjectStore) -> list[StepInfo]:
                 keys=tuple(name for name, _ in objects),
             )
         )
-    return sorted(steps, key=lambda s: s.step)
+    return sorted(steps, key=lambda s: (s.step, s.prefix))
 
 
 def delete_committed_step(store: ObjectStore, prefix: str) -> None:
@@ -73,5 +102,33 @@ def delete_committed_step(store: ObjectStore, prefix: str) -> None:
     child.delete([o.key for o in child.list()])
 
 
-def committed_steps(store: ObjectStore) -> list[int]:
-    return [s.step for s in list_steps(store) if s.committed]
+def open_uploads(store: ObjectStore) -> list[MultipartUploadInfo]:
+    """Open multipart uploads under ``store``; empty, with a warning, where the server cannot list them."""
+    try:
+        return store.list_multipart_uploads()
+    except UnsupportedByStoreError as e:
+        logger.warning("%s: open multipart uploads could not be listed (%s)", store.url, e)
+        return []
+
+
+def delete_incomplete_step(store: ObjectStore, step: StepInfo) -> bool:
+    """Delete the objects ``plan_gc`` listed for an incomplete step, unless it has committed since.
+
+    Only the listed objects go: shards a new save wrote after the listing
+    are left alone, and a step whose ``.metadata`` appeared after the
+    listing is skipped (logged).
+    """
+    child = store.child(step.prefix)
+    try:
+        if child.exists(METADATA_KEY):
+            logger.warning("%s: not deleted: it was committed after it was listed as incomplete", child.url)
+            return False
+        child.delete([k for k in step.keys if k != METADATA_KEY])
+        return True
+    finally:
+        child.close()
+
+
+def committed_steps(store: ObjectStore, naming: StepNaming | None = None) -> list[StepInfo]:
+    """The committed steps under ``store``'s root (only those named in ``naming``'s form, if given), lowest first."""
+    return [s for s in list_steps(store) if s.committed and (naming is None or naming.parse(s.prefix) is not None)]

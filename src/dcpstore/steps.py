@@ -23,15 +23,21 @@ newest commit and its lineage first (its parent, the parent's parent, ...),
 then the newest of the rest: after a rollback to 200 and a save of 250, a
 window of two keeps 200 and 250 and drops the abandoned 300.  The step just
 committed is always the newest, so it is never pruned.
+
+Failed saves leave debris: an incomplete step (shards, no ``.metadata``) and
+open multipart uploads.  Debris is only deleted once nothing under it is
+younger than a grace period (``plan_gc``): until then it may be a save still
+running (another job's, or a commit whose outcome is not known yet).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from .commit import PARENT_KEY, SEQUENCE_KEY, tags_in_object
-from .layout import METADATA_KEY, step_prefix
-from .storage import ObjectStore
+from .layout import METADATA_KEY, StepInfo, delete_committed_step, delete_incomplete_step, list_steps, open_uploads
+from .storage import MultipartUploadInfo, ObjectStore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,36 +63,36 @@ class CommitRecord:
 
 
 class CommitOrder:
-    """The commit records of a root's steps, each read once: a committed step never changes."""
+    """The commit records of a root's steps, each read once (by prefix): a committed step never changes."""
 
     def __init__(self, store: ObjectStore):
         self.store = store
-        self._records: dict[int, CommitRecord] = {}
+        self._records: dict[str, CommitRecord] = {}
 
-    def records(self, steps: list[int]) -> list[CommitRecord]:
+    def records(self, steps: list[StepInfo]) -> list[CommitRecord]:
         """The records of the committed ``steps``, oldest commit first."""
         out = []
-        for step in steps:
-            if step not in self._records:
-                self._records[step] = self._read(step)
-            out.append(self._records[step])
+        for info in steps:
+            if info.prefix not in self._records:
+                self._records[info.prefix] = self._read(info)
+            out.append(self._records[info.prefix])
         return sorted(out, key=lambda r: (r.order, r.step))
 
-    def remember(self, record: CommitRecord) -> None:
-        self._records[record.step] = record
+    def remember(self, prefix: str, record: CommitRecord) -> None:
+        self._records[prefix] = record
 
     def next_sequence(self, records: list[CommitRecord]) -> int:
         return 1 + max((r.sequence for r in records if r.sequence is not None), default=0)
 
-    def _read(self, step: int) -> CommitRecord:
-        child = self.store.child(step_prefix(step))
+    def _read(self, info: StepInfo) -> CommitRecord:
+        child = self.store.child(info.prefix)
         try:
             tags = child.head(METADATA_KEY).metadata
             if SEQUENCE_KEY not in tags and not child.has_user_metadata:
                 tags = tags_in_object(child)[0]
         finally:
             child.close()
-        return CommitRecord(step, _int(tags.get(SEQUENCE_KEY)), _int(tags.get(PARENT_KEY)))
+        return CommitRecord(info.step, _int(tags.get(SEQUENCE_KEY)), _int(tags.get(PARENT_KEY)))
 
 
 def _int(value) -> int | None:
@@ -112,3 +118,63 @@ def retained(records: list[CommitRecord], keep_last: int) -> set[int]:
         if record.step not in keep:
             keep.append(record.step)
     return set(keep)
+
+
+@dataclasses.dataclass
+class GcPlan:
+    """What a collection deletes under a root (see ``plan_gc``)."""
+
+    incomplete: list[StepInfo]  # failed saves' steps: shards without .metadata
+    uploads: list[MultipartUploadInfo]  # open multipart uploads
+    pruned: list[StepInfo]  # committed steps beyond keep_last
+
+    def run(self, store: ObjectStore, progress=lambda items, desc, unit: items) -> int:
+        """Delete what was planned; returns how many incomplete steps were deleted.
+
+        ``progress(items, desc, unit)`` wraps each loop (the CLI's bars).
+        """
+        for upload in progress(self.uploads, "abort uploads", "upload"):
+            store.abort_upload(upload.key, upload.upload_id)
+        deleted = sum(delete_incomplete_step(store, s) for s in progress(self.incomplete, "delete incomplete steps", "step"))
+        for s in progress(self.pruned, "delete steps", "step"):
+            delete_committed_step(store, s.prefix)
+        return deleted
+
+
+def plan_gc(
+    store: ObjectStore,
+    keep_last: int | None,
+    grace: float | None,
+    now: float | None = None,
+    *,
+    steps: list[StepInfo] | None = None,
+    order: CommitOrder | None = None,
+    keep: frozenset[int] = frozenset(),
+) -> GcPlan:
+    """What a collection of ``store``'s root deletes.
+
+    An incomplete step is only a candidate when nothing under it, neither
+    an object nor an open multipart upload, is younger than ``grace``: a
+    save may still be running there.  Committed steps beyond ``keep_last``
+    go by commit order and lineage (``retained``), except the steps in
+    ``keep``, as are incomplete steps in ``keep``.  ``grace=None`` plans
+    no debris at all.  ``steps`` (a listing already made) and ``order``
+    (records already read) save requests.
+    """
+    now = time.time() if now is None else now
+    steps = list_steps(store) if steps is None else steps
+    committed = [s for s in steps if s.committed]
+    incomplete, uploads, pruned = [], [], []
+    if grace is not None:
+        all_uploads = open_uploads(store)
+        active = {u.key.split("/", 1)[0] for u in all_uploads if (u.initiated or 0) >= now - grace}
+        incomplete = [
+            s
+            for s in steps
+            if not s.committed and s.step not in keep and (s.last_modified or 0) < now - grace and s.prefix not in active
+        ]
+        uploads = [u for u in all_uploads if (u.initiated or 0) < now - grace]
+    if keep_last is not None and len(committed) > keep_last:
+        kept = retained((order or CommitOrder(store)).records(committed), keep_last) | keep
+        pruned = [s for s in committed if s.step not in kept]
+    return GcPlan(incomplete, uploads, pruned)
