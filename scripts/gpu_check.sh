@@ -10,5 +10,5 @@ import torch
 assert torch.cuda.is_available(), "no CUDA device visible"
 print("device:", torch.cuda.get_device_name(0), "torch", torch.__version__)
 PY
-"$PY" -m pytest -q -rs tests/test_checkpointer.py -k cuda
+"$PY" -m pytest -q -rs tests/test_checkpointer.py tests/test_torchtitan.py -k cuda
 PYTHONPATH=. "$PY" -m benchmarks.staging --json "${OUT:-.}/staging.json"

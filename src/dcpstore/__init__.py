@@ -23,6 +23,7 @@ _EXPORTS = {
         ),
         "errors",
     ),
+    "StepNaming": "layout",
     "PlanCache": "plan_cache",
     **dict.fromkeys(("ALL_LOCAL_PLANS_KEY", "PLANS_KEY", "read_checksums", "read_plans"), "planner_data"),
     "ObjectStoreReader": "reader",
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
         UnsafeCheckpointError,
         UnsupportedByStoreError,
     )
+    from .layout import StepNaming
     from .plan_cache import PlanCache
     from .planner_data import ALL_LOCAL_PLANS_KEY, PLANS_KEY, read_checksums, read_plans
     from .reader import ObjectStoreReader
@@ -94,6 +96,7 @@ __all__ = [
     "SaveHandle",
     "SaveStats",
     "StateDictMismatchError",
+    "StepNaming",
     "StorageAccessError",
     "ThrottledError",
     "TransferConfig",

@@ -126,6 +126,15 @@ class SaveHandle:
         """
         return self._future
 
+    @property
+    def future(self) -> concurrent.futures.Future:
+        """The save as a plain future, for APIs that want one (torchtitan's ``save_future``).
+
+        Its ``result()`` does not count as delivering a failure: the
+        checkpointer's ``wait()`` still raises it.
+        """
+        return self._future
+
     def result(self, timeout: float | None = None) -> SaveStats:
         try:
             return self._future.result(timeout)

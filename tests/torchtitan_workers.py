@@ -1,0 +1,129 @@
+"""Training-loop workers for the torchtitan tests: torchtitan 0.3's real ``CheckpointManager`` on FSDP2 over gloo.
+
+Each rank trains a ``TrainingJob`` (the benchmark's: a small FSDP2 model,
+torchtitan's AdamW and LR scheduler containers, and a checkpoint manager,
+torchtitan's own or dcpstore's, from the same ``Config`` fields).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.torchtitan import TrainingJob as Job
+
+
+# -- workers (run_ranks) -------------------------------------------------------------------------
+
+
+def train_then_die(rank, world_size, root, expected_path, async_mode, keep, proxy_endpoint):
+    """Save steps 1-6 (interval 2), keep each step's full state in ``expected_path``, then SIGKILL in step 8's (slowed) upload."""
+    job = Job(root, interval=2, keep_latest_k=keep, async_mode=async_mode, storage_options={"endpoint_url": proxy_endpoint})
+    saved = {}
+    for _ in range(3):
+        job.train_and_save(2)
+        saved[job.train_state.step] = job.full_state()
+    job.manager.maybe_wait_for_saving()
+    if rank == 0:
+        torch.save(saved, expected_path)
+    dist.barrier()
+    job.train_and_save(2)  # step 8's save starts (async: it is uploading)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def resume_then_save(rank, world_size, root, async_mode, keep):
+    """A restarted job: load the newest committed step, then train to the next save, counting its planning collectives."""
+    from workers import count_collectives
+
+    job = Job(root, interval=2, keep_latest_k=keep, async_mode=async_mode)
+    assert job.manager.load()
+    resumed = job.train_state.step, job.full_state()
+    counts = count_collectives()
+    job.train_and_save(2)
+    job.manager.maybe_wait_for_saving()
+    reused = job.manager.checkpointer.last_stats.plan_reused
+    after = job.full_state()
+    committed = job.manager.checkpointer.committed_steps()
+    job.close()
+    return resumed, dict(counts), reused, after, committed
+
+
+def load_latest(rank, world_size, root, dcpstore):
+    """Load the newest step into a fresh job (dcpstore's manager or torchtitan's) and return its full state."""
+    job = Job(root, dcpstore=dcpstore, keep_latest_k=0)
+    assert job.manager.load()
+    state = job.full_state()
+    job.close()
+    return state
+
+
+def save_steps(rank, world_size, root, dcpstore, steps, async_mode="disabled", keep=0):
+    """Train and save ``steps`` steps with dcpstore's manager or torchtitan's; the full state after each."""
+    job = Job(root, dcpstore=dcpstore, keep_latest_k=keep, async_mode=async_mode)
+    states = {}
+    for _ in range(steps):
+        job.train_and_save(1)
+        states[job.train_state.step] = job.full_state()
+    job.close()
+    return states
+
+
+def interop(rank, world_size, root):
+    """Stock torchtitan saves, dcpstore's manager resumes and saves on, stock torchtitan resumes that: one process.
+
+    One process on purpose: torchtitan finds steps through fsspec's cached
+    filesystem, which must see what dcpstore wrote.
+    """
+    stock = Job(root, dcpstore=False, keep_latest_k=0)
+    stock.train_and_save(2)
+    stock_state = stock.full_state()
+    stock.close()
+
+    ours = Job(root, keep_latest_k=0)
+    assert ours.manager.load()
+    resumed_stock = ours.full_state()
+    ours.train_and_save(2)
+    ours_state = ours.full_state()
+    ours.close()
+
+    stock = Job(root, dcpstore=False, keep_latest_k=0)
+    assert stock.manager.load()
+    resumed_ours = stock.full_state()
+    stock.close()
+    return stock_state, resumed_stock, ours_state, resumed_ours
+
+
+def failed_saves(rank, world_size, root, proxy_endpoint):
+    """keep_latest_k=2: steps 1-2 commit, the proxy fails steps 3-4, step 5 commits; committed steps after each phase."""
+    import dcpstore
+
+    job = Job(root, keep_latest_k=2, gc_grace=0, storage_options={"endpoint_url": proxy_endpoint})
+    job.train_and_save(2)
+    errors = []
+    for _ in range(2):
+        job.train_step()
+        try:
+            job.manager.save(job.train_state.step)
+        except dcpstore.CheckpointSaveError as e:
+            errors.append(str(e))
+    after_failures = job.manager.checkpointer.committed_steps()
+    job.train_and_save(1)
+    after_commit = job.manager.checkpointer.committed_steps()
+    job.close()
+    return errors, after_failures, after_commit
+
+
+def pinned_round_trip(rank, world_size, root):
+    """async_with_pinned_mem on CUDA: save steps 1-2, then a fresh job resumes step 2; both full states."""
+    job = Job(root, device="cuda", keep_latest_k=0, async_mode="async_with_pinned_mem")
+    job.train_and_save(2)
+    saved = job.full_state()
+    job.close()
+    job = Job(root, device="cuda", keep_latest_k=0, async_mode="async_with_pinned_mem")
+    assert job.manager.load()
+    resumed = job.full_state()
+    job.close()
+    return saved, resumed
