@@ -183,14 +183,21 @@ def test_a_load_that_cannot_succeed_fails_on_every_rank_and_the_group_goes_on(bu
     assert_same(loaded0, loaded1)
 
 
-def test_a_replan_that_needs_an_unstaged_item_fails_loudly_once(bucket, s3):
+def test_a_replan_gives_a_replicated_item_to_a_rank_that_staged_it_and_the_step_commits(bucket, s3):
     results = run_ranks(checkpointer_plan_changes_on_one_rank, 2, f"s3://{bucket}/run")
     (staged0, outcome0, loaded0), (staged1, outcome1, loaded1) = results.values()
     assert (staged0, staged1) == (1, 1)  # rank 1 left the replicated tensor to rank 0
-    for outcome in (outcome0, outcome1):
-        assert "step_00000003 was not committed" in outcome and "were not staged" in outcome and "'replicated'" in outcome
+    assert outcome0 == outcome1 == "committed"
+    assert loaded0 == loaded1 == [True, True]  # steps 3 and 4, bit-exact
+
+
+def test_an_item_no_rank_staged_fails_the_step_loudly_and_the_next_one_commits(bucket, s3):
+    """Rank 1 left the replicated tensor to rank 0, which no longer holds it: the step would lack it."""
+    results = run_ranks(checkpointer_plan_changes_on_one_rank, 2, f"s3://{bucket}/run", True)
+    for _, outcome, loaded in results.values():
+        assert "step_00000003 was not committed" in outcome and "'replicated' of rank 1 was staged by no rank" in outcome
+        assert loaded == [True]  # step 4 staged all and planned afresh
     assert not object_exists(s3, bucket, "run/step_00000003/.metadata")
-    assert loaded0 and loaded1  # the next save staged what the new plan needs
 
 
 def test_latest_step_ignores_incomplete_steps(bucket, s3):

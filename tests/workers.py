@@ -250,12 +250,16 @@ def checkpointer_load_errors(rank, world_size, root):
     return errors, gathered(sd)
 
 
-def checkpointer_plan_changes_on_one_rank(rank, world_size, root):
+def checkpointer_plan_changes_on_one_rank(rank, world_size, root, rank0_drops_replicated=False):
     """Rank 0's structure changes while rank 1 saves from its cached plan.
 
-    Rank 1 stages only what its cached plan writes; the replan (torch's dedup
-    is greedy in item order) then gives it the replicated tensor it did not
-    stage.  That step must fail on every rank, and the next one commit.
+    Rank 1 staged only what its cached plan writes (the replicated tensor
+    is rank 0's to write); torch's dedup, greedy in item order, would now
+    give it to rank 1.  It must go to rank 0, which staged it, and step 3
+    commit.  With ``rank0_drops_replicated``, rank 0 no longer holds it:
+    no rank staged it, step 3 fails on every rank, and step 4 commits.
+    Returns rank 1's staged items under the cached plan, step 3's outcome,
+    and whether steps 3 (if committed) and 4 load bit-exact.
     """
     ckpt = dcpstore.AsyncCheckpointer(root)
     replicated = torch.arange(100.0)
@@ -265,18 +269,26 @@ def checkpointer_plan_changes_on_one_rank(rank, world_size, root):
     ckpt.wait()
     staged_cached = ckpt.last_stats.staged_items
     if rank == 0:
-        sd = {"a_p0": torch.randn(10_000), "replicated": replicated}
+        sd = {"a_p0": torch.randn(10_000), **({} if rank0_drops_replicated else {"replicated": replicated})}
+    saved3 = {k: v.clone() for k, v in sd.items()}
     try:
         ckpt.save(sd, step=3)
+        for v in sd.values():
+            v.add_(1)  # training goes on during the upload: step 3 must hold the values it was saved with
         ckpt.wait()
         outcome = "committed"
     except dcpstore.CheckpointSaveError as e:
         outcome = str(e)
     ckpt.save(sd, step=4).result()
-    out = {k: torch.zeros_like(v) for k, v in sd.items()}
-    ckpt.load(out, step=4)
+    loaded = []
+    for step, expected in ((3, saved3), (4, sd)):
+        if step == 3 and outcome != "committed":
+            continue
+        out = {k: torch.zeros_like(v) for k, v in expected.items()}
+        ckpt.load(out, step=step)
+        loaded.append(all(torch.equal(out[k], expected[k]) for k in expected))
     ckpt.close()
-    return staged_cached, outcome, all(torch.equal(out[k], sd[k]) for k in sd)
+    return staged_cached, outcome, loaded
 
 
 def checkpointer_keep_last(rank, world_size, root):

@@ -74,7 +74,7 @@ from .reader import ObjectStoreReader, check_state_dict, no_metadata_error, pars
 from .staging import StagedItems, StagingPool
 from .steps import CommitOrder, CommitRecord, plan_gc
 from .storage import TransferConfig, normalize_url, open_store
-from .writer import ObjectStoreWriter
+from .writer import ObjectStoreWriter, carried_plan
 
 logger = logging.getLogger(__name__)
 
@@ -116,15 +116,6 @@ class SaveHandle:
 
     def done(self) -> bool:
         return self._future.done()
-
-    @property
-    def future(self) -> concurrent.futures.Future:
-        """The save as a plain future, for APIs that want one (torchtitan's ``save_future``).
-
-        Its ``result()`` does not count as delivering a failure: the
-        checkpointer's ``wait()`` still raises it.
-        """
-        return self._future
 
     @property
     def future(self) -> concurrent.futures.Future:
@@ -204,6 +195,29 @@ class _Failure:
 
     def __init__(self, message: str):
         self.message = message
+
+
+def _check_every_item_offered(plans: list[SavePlan], metadata: Metadata) -> None:
+    """Raise if an item a rank holds is in no rank's offer (see ``AsyncCheckpointer._plan``): the step would lack it.
+
+    That happens only when the ranks holding a replicated item left it to a
+    rank that no longer holds it.  The next save, planned afresh, stages it.
+    """
+    for rank, plan in enumerate(plans):
+        held = carried_plan(plan)
+        if held is None or len(held.items) == len(plan.items):
+            continue  # it offered all it holds: the usual case costs nothing
+        offered = {item.index for item in plan.items}
+        for item in held.items:
+            if item.index in offered:
+                continue
+            md = metadata.state_dict_metadata.get(item.index.fqn)
+            chunks = getattr(md, "chunks", None)
+            if md is None or (chunks is not None and not any(tuple(c.offsets) == tuple(item.index.offset or ()) for c in chunks)):
+                raise RuntimeError(
+                    f"item {item.index.fqn!r} of rank {rank} was staged by no rank: the ranks that hold it left it to "
+                    "another under their cached plans, and that rank no longer holds it; the next save stages it"
+                )
 
 
 @dataclasses.dataclass
@@ -476,10 +490,10 @@ class AsyncCheckpointer:
         try:
             final_plan = job.planner.finish_plan(central_plan)
             unstaged = job.staged.missing(final_plan.items)
-            if unstaged:
+            if unstaged:  # no rank staged them: a rank that left them to another no longer holds them
                 raise RuntimeError(
                     f"{len(unstaged)} items this rank must write were not staged (e.g. {unstaged[0].index.fqn!r}): "
-                    "another rank's plan changed after this rank staged only the items of its cached plan; "
+                    "it left them to another rank under its cached plan, and no rank that staged them has them now; "
                     "the next save stages them"
                 )
             results = writer.write_data(final_plan, job.staged).value()
@@ -493,11 +507,26 @@ class AsyncCheckpointer:
         return job.stats
 
     def _plan(self, job: _SaveJob, writer: ObjectStoreWriter) -> tuple[SavePlan, Metadata | None]:
-        """Full planning; fills the plan cache."""
-        local = writer.attach_local_plan(job.local_plan)
+        """Full planning; fills the plan cache.
+
+        A rank that staged from its cached plan (while another rank's
+        structure changed) offers global planning only the items it
+        staged: the replicated items it had left to another rank go to a
+        rank that staged them, not to this one (staging them now would mix
+        steps: the live tensors have moved on).  Its whole local plan is
+        still what the cache and the persisted plans key on.
+        """
+        unstaged = {item.index for item in job.staged.missing(job.local_plan.items)}
+        offered = dataclasses.replace(job.local_plan, items=[i for i in job.local_plan.items if i.index not in unstaged])
+        local = writer.attach_local_plan(offered, carried=job.local_plan)
         if self.planning == "decentralized":
             all_local = self._coll.all_gather(local)
-            global_plans, metadata = job.planner.create_global_plan(all_local)
+            try:
+                global_plans, metadata = job.planner.create_global_plan(all_local)
+                _check_every_item_offered(all_local, metadata)
+            except Exception:
+                self.plan_cache.clear()  # every rank fails here alike; the next save stages all and plans afresh
+                raise
             central_plan = writer.prepare_global_plan(global_plans)[self.rank]
             self.plan_cache.store(
                 CachedPlan(job.local_plan, central_plan, self.world_size, metadata, writer.all_local_plans)
@@ -510,11 +539,13 @@ class AsyncCheckpointer:
         if self._coll.is_coordinator:
             try:
                 global_plans, metadata = job.planner.create_global_plan(gathered)
+                _check_every_item_offered(gathered, metadata)
                 payload = writer.prepare_global_plan(global_plans)
             except Exception as e:  # noqa: BLE001 - sent to every rank
                 payload = [_Failure(_describe(e))] * self.world_size
         central_plan = self._coll.scatter(payload)
         if isinstance(central_plan, _Failure):
+            self.plan_cache.clear()  # the next save stages all it holds and plans afresh
             raise CheckpointSaveError(job.url, {0: f"global planning failed: {central_plan.message}"})
         self.plan_cache.store(CachedPlan(job.local_plan, central_plan, self.world_size, metadata, writer.all_local_plans))
         return central_plan, metadata

@@ -222,7 +222,7 @@ def write_items(
     return results
 
 
-def _carried_plan(plan: SavePlan) -> SavePlan | None:
+def carried_plan(plan: SavePlan) -> SavePlan | None:
     """The local plan a global-step plan carries, or ``None`` (dropped, or torch's unusable delta)."""
     carrier = getattr(plan, "storage_data", None)
     if not isinstance(carrier, _LocalPlanCarrier) or not getattr(carrier.plan, "usable", True):
@@ -368,9 +368,9 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         return self.attach_local_plan(plan)
 
     @staticmethod
-    def attach_local_plan(plan: SavePlan) -> SavePlan:
-        """``plan`` carrying a copy of itself to ``prepare_global_plan``."""
-        return dataclasses.replace(plan, storage_data=_LocalPlanCarrier(planner_data.strip_plan(plan)))
+    def attach_local_plan(plan: SavePlan, carried: SavePlan | None = None) -> SavePlan:
+        """``plan`` carrying a copy of itself (or of ``carried``: the plan persisted for this rank) to ``prepare_global_plan``."""
+        return dataclasses.replace(plan, storage_data=_LocalPlanCarrier(planner_data.strip_plan(carried or plan)))
 
     def check_destination(self) -> bool:
         """Refuse to save over a committed checkpoint unless ``overwrite``; True if one is there."""
@@ -387,7 +387,7 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         )
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self.remember_local_plans([_carried_plan(p) for p in plans])
+        self.remember_local_plans([carried_plan(p) for p in plans])
         if self.all_local_plans is None and not all(getattr(p, "usable", True) for p in plans):
             self._plans_missing = "cached"  # torch's plan caching sent deltas; see write_data/finish
         if self.overwrite:
@@ -430,7 +430,7 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
             # still carries every rank's local plan.
             full = getattr(planner, "global_plan", None)
             if isinstance(full, list) and full:
-                carried = [_carried_plan(p) for p in full]
+                carried = [carried_plan(p) for p in full]
                 if all(p is not None for p in carried):
                     self.all_local_plans = [planner_data.strip_plan(p) for p in carried]
                     self._plans_from_planner = True
