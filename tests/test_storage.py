@@ -474,3 +474,47 @@ def test_fsspecs_cached_listing_sees_what_a_save_writes_and_a_delete_removes(wri
         store.close()
     assert not fs.exists(f"{bucket}/lst/ck/.metadata")
     assert f"{bucket}/lst" not in fs.ls(bucket)
+
+
+# -- the client follows the environment ------------------------------------------------------
+
+
+def test_a_changed_endpoint_or_credential_environment_reaches_the_next_store_and_old_clients_are_freed(
+    bucket, proxy, monkeypatch
+):
+    """AWS_ENDPOINT_URL to a second server (the proxy) and back, in one process; then new credentials.
+
+    fsspec's instance cache keys on options only, so a cached client would
+    keep the first endpoint.  Each store gets a client made under the
+    current environment, and a client no open store uses is freed.
+    """
+    import gc
+    import weakref
+
+    from dcpstore.storage import s3 as s3_module
+
+    url = f"s3://{bucket}/env"
+
+    def put_through_a_new_store(name: str):
+        store = open_store(url)
+        store.put(name, b"x")
+        fs = weakref.ref(store.fs)
+        store.close()
+        return fs
+
+    first = put_through_a_new_store("direct-1")
+    assert not proxy.requests
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    second = put_through_a_new_store("via-proxy")
+    assert second() is not first()
+    assert [m for m, path in proxy.requests if path.endswith("/env/via-proxy")] == ["PUT"]
+    monkeypatch.undo()
+    proxy.clear()
+    third = put_through_a_new_store("direct-2")
+    assert not proxy.requests
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "another-key")  # moto takes any key: only the client may change
+    fourth = put_through_a_new_store("new-key")
+    assert fourth() is not third()
+    gc.collect()
+    assert second() is None and third() is None  # no store uses them: freed ("first" may be an earlier test's)
+    assert id(fourth()) in s3_module._servers and len(s3_module._servers) <= len(s3_module._filesystems)

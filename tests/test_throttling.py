@@ -96,7 +96,7 @@ def test_a_cut_for_one_key_range_leaves_the_others_alone(bucket, proxy):
     store.put("hot/warm-up", b"x")
     proxy.add("PUT", r"/ranges/hot/", status=503, code="SlowDown", times=3)
     store.put("hot/obj", b"x")
-    scope = (id(store.fs), bucket)
+    scope = store.rate_scope
     assert RATES.rate(scope, "ranges/hot", "write").rate < 100.0
     assert RATES.rate(scope, "ranges/cold", "write").rate >= 100.0
 

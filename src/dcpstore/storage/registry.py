@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Any
 
 import fsspec
@@ -15,8 +16,10 @@ from .local import LocalObjectStore
 from .s3 import S3_SCHEMES, S3ObjectStore
 
 # (id of the filesystem instance, bucket, transfer) -> the connection stores
-# there share.  An entry whose connection closed is replaced on next use.
-_connections: dict[tuple, Connection] = {}
+# there share.  An entry whose connection closed is replaced on next use; an
+# entry no store holds any more goes, and with it the filesystem instance
+# (the key's id cannot be reused while the connection holds the instance).
+_connections: weakref.WeakValueDictionary[tuple, Connection] = weakref.WeakValueDictionary()
 _connections_lock = threading.Lock()
 
 

@@ -17,14 +17,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import hashlib
 import itertools
 import logging
 import math
+import os
 import random
 import sys
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, Iterable
 
 from ..errors import ConditionalWriteError, CorruptCheckpointError, ObjectNotFoundError, UnsupportedByStoreError
@@ -90,8 +93,35 @@ def client_config(transfer: TransferConfig) -> dict[str, Any]:
     }
 
 
-_filesystems: dict[tuple, Any] = {}
+# The environment botocore reads a new client's endpoint and credentials from.
+_CLIENT_ENVIRONMENT = (
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+    "AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_REGION",
+    "AWS_DEFAULT_REGION", "AWS_ROLE_ARN", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+)
+
+# (scheme, options, transfer) -> (digest of the client environment, the instance made under it).
+_filesystems: dict[tuple, tuple[str, Any]] = {}
 _filesystems_lock = threading.Lock()
+# id(instance) -> the server its requests go to, while the instance lives (throttling is per server).
+_servers: dict[int, str] = {}
+
+
+def _client_environment() -> str:
+    """A digest of the client environment (not the values: the key must hold no secret)."""
+    return hashlib.sha256(repr([os.environ.get(name) for name in _CLIENT_ENVIRONMENT]).encode()).hexdigest()
+
+
+def _server(storage_options: dict[str, Any]) -> str:
+    """The endpoint a client made now with ``storage_options`` sends to, as botocore picks it (``"aws"``: S3's own)."""
+    return (
+        storage_options.get("endpoint_url")
+        or storage_options.get("client_kwargs", {}).get("endpoint_url")
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+        or "aws"
+    )
 
 
 class S3ObjectStore(ObjectStore):
@@ -102,24 +132,33 @@ class S3ObjectStore(ObjectStore):
 
     @classmethod
     def connect(cls, url: str, storage_options: dict[str, Any], transfer: TransferConfig) -> tuple[Any, str]:
-        """One private s3fs instance per (scheme, options, transfer), shared by all buckets.
+        """One private s3fs instance per (scheme, options, transfer) and client environment, shared by all buckets.
 
         Private, because the botocore settings of ``client_config`` must not
         leak into s3fs instances that user code shares through fsspec's
-        instance cache; kept for the life of the process, because it holds
-        no threads (requests run on fsspec's I/O loop) and making one costs a
-        credential lookup and a client.
+        instance cache.  Kept while the environment it was made in
+        (``AWS_ENDPOINT_URL``, the credential variables, the profile) stays
+        the same, because it holds no threads (requests run on fsspec's I/O
+        loop) and making one costs a credential lookup and a client.  When
+        that environment changes, the next store gets a new instance, and
+        the old one is freed once the stores that use it are closed.
+        fsspec's own instance cache keys on the options alone, so it would
+        keep sending to the old endpoint.
         """
         protocol, rest = url.split("://", 1)
         key = (protocol, repr(sorted(storage_options.items())), transfer)
+        environment = _client_environment()
         with _filesystems_lock:
-            fs = _filesystems.get(key)
-            if fs is None:
+            made_in, fs = _filesystems.get(key, (None, None))
+            if fs is None or made_in != environment:
                 options = dict(storage_options)
                 ours, theirs = client_config(transfer), options.get("config_kwargs", {})
                 options["config_kwargs"] = {**ours, **theirs, "s3": {**ours["s3"], **theirs.get("s3", {})}}
                 options.setdefault("skip_instance_cache", True)
-                fs = _filesystems[key] = url_to_fs(f"{protocol}://{rest.partition('/')[0]}", options)[0]
+                fs = url_to_fs(f"{protocol}://{rest.partition('/')[0]}", options)[0]
+                _filesystems[key] = (environment, fs)
+                _servers[id(fs)] = _server(storage_options)
+                weakref.finalize(fs, _servers.pop, id(fs), None)
         return fs, rest
 
     # -- plumbing ---------------------------------------------------------------
@@ -231,16 +270,20 @@ class S3ObjectStore(ObjectStore):
                 await asyncio.sleep(delay)
                 failures += 1
 
+    @property
+    def rate_scope(self) -> tuple[str, str]:
+        """What this store's request rates are kept under: (server, bucket), shared by every client sending there."""
+        return _servers[id(self.fs)], self._split("")[0]
+
     def _rate(self, key: str, method: str) -> RequestRate:
         """The request rate ``method`` on ``key`` is paced by (see ``throttle``)."""
-        bucket, path = self._split(key)
-        return RATES.rate((id(self.fs), bucket), key_range(path), "write" if method in _WRITES else "read")
+        path = self._split(key)[1]
+        return RATES.rate(self.rate_scope, key_range(path), "write" if method in _WRITES else "read")
 
     def share_write_rate(self, writers: int) -> None:
         """Start at a share of a key range's rate: this process is one of ``writers`` (ranks x sub-prefixes) writing at once."""
         if self.transfer.prefix_write_rate is not None:
-            bucket = self._split("")[0]
-            RATES.share((id(self.fs), bucket), "write", self.transfer.prefix_write_rate / max(1, writers))
+            RATES.share(self.rate_scope, "write", self.transfer.prefix_write_rate / max(1, writers))
 
     def _check_body_length(self, key: str, asked: str | None, resp: dict) -> None:
         """A ranged body shorter than its range is retried, unless the object itself ends there.
