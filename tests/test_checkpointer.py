@@ -8,6 +8,7 @@ import dcpstore
 from conftest import object_exists, read_metadata_raw
 from dist_utils import run_ranks
 from workers import (
+    latest_step_when_the_coordinators_listing_fails,
     checkpointer_keep_last,
     checkpointer_killed_mid_upload,
     checkpointer_load_errors,
@@ -315,3 +316,9 @@ def test_a_failed_save_is_raised_once_and_the_next_save_commits(first, bucket, p
     assert ckpt.wait() == [3]
     assert ckpt.committed_steps() == [3]
     ckpt.close()
+
+
+def test_a_listing_error_on_the_coordinator_reaches_every_rank(bucket, proxy):
+    proxy.add("GET", r"list-type=2", status=403, code="AccessDenied")
+    results = run_ranks(latest_step_when_the_coordinators_listing_fails, 2, f"s3://{bucket}/run", proxy.endpoint)
+    assert results[0] == results[1] and "access denied" in results[0]

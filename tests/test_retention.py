@@ -113,6 +113,20 @@ def test_gc_grace_deletes_failed_saves_debris_after_a_commit_and_spares_young_de
     with dcpstore.AsyncCheckpointer(root, gc_grace=3600) as ckpt:
         _save(ckpt, 4, 4)  # the debris is seconds old: it may be a save still running
         assert [s.step for s in list_steps(store)] == [3, 4]
+    store.put("step_00000002/model.safetensors.index.json", b"{}")  # someone's export, not a failed save
     with dcpstore.AsyncCheckpointer(root, keep_last=5, gc_grace=0) as ckpt:
         _save(ckpt, 5, 5)
-    assert [(s.step, s.committed) for s in list_steps(store)] == [(4, True), (5, True)]
+    assert [(s.step, s.committed) for s in list_steps(store)] == [(2, False), (4, True), (5, True)]
+
+
+def test_steps_other_tools_committed_go_among_dcpstores_by_time():
+    """dcpstore 100, then stock torchtitan 200 and 300, then dcpstore 310: the stock steps are not older than 100."""
+    from dcpstore.steps import CommitRecord, in_commit_order, retained
+
+    records = [CommitRecord(300, None, None, 30.0), CommitRecord(100, 1, None, 10.0), CommitRecord(200, None, None, 20.0)]
+    assert [r.step for r in in_commit_order(records)] == [100, 200, 300]
+    records.append(CommitRecord(310, 2, 300, None))  # just committed here: its time is not listed yet
+    assert [r.step for r in in_commit_order(records)] == [100, 200, 300, 310]
+    assert retained(in_commit_order(records), 2) == {300, 310}
+    same_second = [CommitRecord(5, None, None, 10.0), CommitRecord(4, 1, None, 10.0)]
+    assert [r.step for r in in_commit_order(same_second)] == [4, 5]

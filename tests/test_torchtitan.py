@@ -20,6 +20,7 @@ from torchtitan_workers import (  # noqa: E402
     load_latest,
     pinned_round_trip,
     resume_then_save,
+    rollback,
     train_then_die,
 )
 
@@ -63,10 +64,21 @@ def test_a_killed_job_resumes_its_newest_committed_step_reuses_its_plans_and_res
 def test_stock_torchtitan_and_dcpstore_resume_each_others_steps_in_one_process(bucket):
     """Both directions, and torchtitan's step discovery (fsspec's cached listing) sees dcpstore's steps."""
     (result,) = run_ranks(interop, 1, f"s3://{bucket}/run").values()
-    stock_state, resumed_stock, ours_state, resumed_ours = result
+    stock_state, resumed_stock, ours_state, resumed_ours, stock_state_2, resumed_stock_2 = result
     assert stock_state["train_step"].item() == 2 and ours_state["train_step"].item() == 4
     assert_same(resumed_stock, stock_state)
     assert_same(resumed_ours, ours_state)
+    assert stock_state_2["train_step"].item() == 6
+    assert_same(resumed_stock_2, stock_state_2)  # stock steps after dcpstore's are newer, though unsequenced
+
+
+def test_a_rollback_saves_the_abandoned_step_numbers_again(bucket):
+    """load_step=2 after 4 committed: saves 3 and 4 replace the abandoned ones (steps are never overwritten in place)."""
+    (result,) = run_ranks(rollback, 1, f"s3://{bucket}/run").values()
+    abandoned, redone, committed, resumed = result
+    assert redone["train_step"].item() == 4 and not torch.equal(redone["0.weight"], abandoned["0.weight"])
+    assert committed == [1, 2, 3, 4]
+    assert_same(resumed, redone)
 
 
 def test_failed_saves_never_cost_a_committed_step_and_debris_goes(bucket, s3, proxy):

@@ -92,8 +92,39 @@ def interop(rank, world_size, root):
     stock = Job(root, dcpstore=False, keep_latest_k=0)
     assert stock.manager.load()
     resumed_ours = stock.full_state()
+    stock.train_and_save(2)  # stock steps 5 and 6: no commit sequence, ordered by time among dcpstore's
+    stock_state_2 = stock.full_state()
     stock.close()
-    return stock_state, resumed_stock, ours_state, resumed_ours
+
+    ours = Job(root, keep_latest_k=0)
+    assert ours.manager.load()
+    resumed_stock_2 = ours.full_state()
+    ours.close()
+    return stock_state, resumed_stock, ours_state, resumed_ours, stock_state_2, resumed_stock_2
+
+
+def rollback(rank, world_size, root):
+    """Steps 1-4, then a rollback to 2 (load_step) on another trajectory saves 3 and 4 again; a fresh job resumes the new 4."""
+    job = Job(root, keep_latest_k=0)
+    job.train_and_save(4)
+    abandoned = job.full_state()
+    job.close()
+
+    job = Job(root, keep_latest_k=0)
+    assert job.manager.load(step=2)
+    with torch.no_grad():
+        for p in job.model.parameters():
+            p.add_(1.0)  # a different trajectory from step 2 on (a loss spike skipped, other data)
+    job.train_and_save(2)
+    redone = job.full_state()
+    committed = job.manager.checkpointer.committed_steps()
+    job.close()
+
+    job = Job(root, keep_latest_k=0)
+    assert job.manager.load()
+    resumed = job.full_state()
+    job.close()
+    return abandoned, redone, committed, resumed
 
 
 def failed_saves(rank, world_size, root, proxy_endpoint):

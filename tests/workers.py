@@ -430,3 +430,16 @@ def save_losing_the_commit(rank, world_size, url, endpoint):
     finally:
         writer.close()
     return None
+
+
+def latest_step_when_the_coordinators_listing_fails(rank, world_size, root, proxy_endpoint):
+    """Rank 0 lists through a proxy that refuses listings; every rank must hear of it, not wait for the group timeout."""
+    options = {"endpoint_url": proxy_endpoint} if rank == 0 else None
+    ckpt = dcpstore.AsyncCheckpointer(root, storage_options=options)
+    try:
+        ckpt.latest_step()
+    except dcpstore.DcpstoreError as e:
+        return str(e)
+    finally:
+        ckpt.close()
+    return None

@@ -68,7 +68,7 @@ from .errors import (
     DcpstoreError,
     ObjectNotFoundError,
 )
-from .layout import METADATA_KEY, StepNaming, committed_steps, list_steps
+from .layout import METADATA_KEY, StepNaming, committed_steps, delete_committed_step
 from .plan_cache import CachedPlan, PlanCache
 from .reader import ObjectStoreReader, check_state_dict, no_metadata_error, parse_metadata, read_metadata_bytes
 from .staging import StagedItems, StagingPool
@@ -665,11 +665,13 @@ class AsyncCheckpointer:
         failure here is logged.
         """
         try:
-            steps = [s for s in list_steps(self.store) if self.step_naming.parse(s.prefix) is not None]
             plan = plan_gc(
-                self.store, self.keep_last, self.gc_grace, steps=steps, order=self._order, keep=frozenset(self._unsettled)
+                self.store, self.keep_last, self.gc_grace,
+                naming=self.step_naming, order=self._order, keep=frozenset(self._unsettled),
             )
             plan.run(self.store)
+            for info in plan.pruned:
+                self._order.forget(info.prefix)
         except Exception as e:  # noqa: BLE001
             logger.warning("%s: deleting old steps (keep_last=%s, gc_grace=%s) failed: %s", self.root, self.keep_last, self.gc_grace, e)
 
@@ -695,9 +697,42 @@ class AsyncCheckpointer:
         collectives must not interleave with this one.
         """
         self.wait()
-        steps = self._ordered_steps() if self._coll.is_coordinator else None
-        steps = self._coll.broadcast(steps)
+        steps = self._agreed(self._ordered_steps, "listing the committed steps")
         return steps[-1] if steps else None
+
+    def discard_steps_above(self, step: int) -> list[int]:
+        """Delete the committed steps numbered above ``step`` (``.metadata`` first); the steps deleted.  Call it on every rank.
+
+        For a rollback whose saves reuse those numbers (torchtitan saves
+        every ``interval`` steps), since steps are never overwritten.
+        Waits for pending saves first (raising their errors).
+        """
+        self.wait()
+
+        def discard() -> list[int]:
+            doomed = [s for s in committed_steps(self.store, self.step_naming) if s.step > step]
+            for info in doomed:
+                delete_committed_step(self.store, info.prefix)
+            return [info.step for info in doomed]
+
+        discarded = self._agreed(discard, f"deleting the committed steps above {step}")
+        for gone in discarded:
+            self._order.forget(self.step_prefix(gone))
+        self._sequence = None  # the next commit reads the root's records again
+        return discarded
+
+    def _agreed(self, fn: Callable[[], Any], what: str) -> Any:
+        """``fn()``, run on the coordinator, on every rank; its error raised on every rank (not a peer left waiting)."""
+        result = None
+        if self._coll.is_coordinator:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - the peers wait in the broadcast: they must hear of it
+                result = e if isinstance(e, DcpstoreError) else DcpstoreError(f"{self.root}: {what} failed: {_describe(e)}")
+        result = self._coll.broadcast(result)
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
     def load(
         self,

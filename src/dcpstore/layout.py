@@ -69,6 +69,7 @@ class StepInfo:
     objects: int
     last_modified: float | None  # newest object's time
     keys: tuple[str, ...] = ()  # the step's objects as listed, relative to its prefix
+    committed_at: float | None = None  # its .metadata's time, if committed
 
 
 def list_steps(store: ObjectStore) -> list[StepInfo]:
@@ -81,15 +82,17 @@ def list_steps(store: ObjectStore) -> list[StepInfo]:
     steps = []
     for prefix, objects in grouped.items():
         times = [o.last_modified for _, o in objects if o.last_modified is not None]
+        metadata = next((o for name, o in objects if name == METADATA_KEY), None)
         steps.append(
             StepInfo(
                 step=parse_step(prefix),
                 prefix=prefix,
-                committed=any(name == METADATA_KEY for name, _ in objects),
+                committed=metadata is not None,
                 size=sum(o.size for _, o in objects),
                 objects=len(objects),
                 last_modified=max(times) if times else None,
                 keys=tuple(name for name, _ in objects),
+                committed_at=metadata.last_modified if metadata is not None else None,
             )
         )
     return sorted(steps, key=lambda s: (s.step, s.prefix))

@@ -15,8 +15,11 @@ Both go in the object's user metadata (``x-amz-meta-dcpstore-seq`` and
 ``planner_data["dcpstore/commit"]``, for stores without user metadata
 (``file://``, ``memory://``).  S3's LastModified cannot order them: it has
 one-second resolution and is the start time of a multipart upload.  Steps
-other tools wrote carry neither, and order before every sequenced step, by
-step number.
+other tools wrote (stock torchtitan, ``FsspecWriter``) carry neither; they
+go among the sequenced ones by when their ``.metadata`` was written
+(LastModified, as listed), and by number among themselves at equal times.
+So a run that goes dcpstore, then stock torchtitan, then dcpstore again,
+resumes the stock run's last step.
 
 The latest step is the newest commit.  Retention (``keep_last``) keeps the
 newest commit and its lineage first (its parent, the parent's parent, ...),
@@ -33,11 +36,23 @@ running (another job's, or a commit whose outcome is not known yet).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 from .commit import PARENT_KEY, SEQUENCE_KEY, tags_in_object
-from .layout import METADATA_KEY, StepInfo, delete_committed_step, delete_incomplete_step, list_steps, open_uploads
+from .layout import (
+    METADATA_KEY,
+    StepInfo,
+    StepNaming,
+    delete_committed_step,
+    delete_incomplete_step,
+    list_steps,
+    open_uploads,
+    parse_step,
+)
 from .storage import MultipartUploadInfo, ObjectStore
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +60,7 @@ class CommitRecord:
     step: int
     sequence: int | None  # None: written by another tool (or an older dcpstore)
     parent: int | None = None
-
-    @property
-    def order(self) -> tuple[int, int]:
-        """Sort key, oldest first: unsequenced steps by number, then sequenced ones by sequence."""
-        return (0, self.step) if self.sequence is None else (1, self.sequence)
+    committed_at: float | None = None  # the .metadata's LastModified as listed; None: just committed here
 
     def tags(self) -> dict[str, str]:
         """The ``.metadata`` user metadata that records this commit."""
@@ -76,10 +87,14 @@ class CommitOrder:
             if info.prefix not in self._records:
                 self._records[info.prefix] = self._read(info)
             out.append(self._records[info.prefix])
-        return sorted(out, key=lambda r: (r.order, r.step))
+        return in_commit_order(out)
 
     def remember(self, prefix: str, record: CommitRecord) -> None:
         self._records[prefix] = record
+
+    def forget(self, prefix: str) -> None:
+        """``prefix`` was deleted: a step committed there later is another commit."""
+        self._records.pop(prefix, None)
 
     def next_sequence(self, records: list[CommitRecord]) -> int:
         return 1 + max((r.sequence for r in records if r.sequence is not None), default=0)
@@ -92,7 +107,21 @@ class CommitOrder:
                 tags = tags_in_object(child)[0]
         finally:
             child.close()
-        return CommitRecord(info.step, _int(tags.get(SEQUENCE_KEY)), _int(tags.get(PARENT_KEY)))
+        return CommitRecord(info.step, _int(tags.get(SEQUENCE_KEY)), _int(tags.get(PARENT_KEY)), info.committed_at)
+
+
+def in_commit_order(records: list[CommitRecord]) -> list[CommitRecord]:
+    """``records``, oldest commit first: sequenced ones by sequence, the others among them by time (see above)."""
+    sequenced = sorted((r for r in records if r.sequence is not None), key=lambda r: r.sequence)
+    others = sorted((r for r in records if r.sequence is None), key=lambda r: (r.committed_at or 0.0, r.step))
+    out, i = [], 0
+    for record in sequenced:
+        at = record.committed_at if record.committed_at is not None else float("inf")
+        while i < len(others) and (others[i].committed_at or 0.0) < at:
+            out.append(others[i])
+            i += 1
+        out.append(record)
+    return out + others[i:]
 
 
 def _int(value) -> int | None:
@@ -147,34 +176,51 @@ def plan_gc(
     grace: float | None,
     now: float | None = None,
     *,
-    steps: list[StepInfo] | None = None,
+    naming: StepNaming | None = None,
     order: CommitOrder | None = None,
     keep: frozenset[int] = frozenset(),
 ) -> GcPlan:
-    """What a collection of ``store``'s root deletes.
+    """What a collection of ``store``'s root deletes: only steps (named in ``naming``'s form, if given).
 
     An incomplete step is only a candidate when nothing under it, neither
-    an object nor an open multipart upload, is younger than ``grace``: a
-    save may still be running there.  Committed steps beyond ``keep_last``
-    go by commit order and lineage (``retained``), except the steps in
-    ``keep``, as are incomplete steps in ``keep``.  ``grace=None`` plans
-    no debris at all.  ``steps`` (a listing already made) and ``order``
-    (records already read) save requests.
+    an object nor an open multipart upload, is younger than ``grace`` (or
+    of unknown age): a save may still be running there.  It must also hold
+    nothing but what DCP writers write (shards, ``.metadata*``, dcpstore's
+    ``.dcpstore-*``): a folder with other files (a Hugging Face export) is
+    someone's, and is left alone with a warning.  Committed steps beyond
+    ``keep_last`` go by commit order and lineage (``retained``), except the
+    steps in ``keep``, as are incomplete steps in ``keep``.  ``grace=None``
+    plans no debris at all.  ``order`` (records already read) saves requests.
     """
     now = time.time() if now is None else now
-    steps = list_steps(store) if steps is None else steps
+    steps = [s for s in list_steps(store) if naming is None or naming.parse(s.prefix) is not None]
     committed = [s for s in steps if s.committed]
     incomplete, uploads, pruned = [], [], []
     if grace is not None:
-        all_uploads = open_uploads(store)
-        active = {u.key.split("/", 1)[0] for u in all_uploads if (u.initiated or 0) >= now - grace}
-        incomplete = [
-            s
-            for s in steps
-            if not s.committed and s.step not in keep and (s.last_modified or 0) < now - grace and s.prefix not in active
-        ]
-        uploads = [u for u in all_uploads if (u.initiated or 0) < now - grace]
+        old = lambda t: t is not None and t < now - grace  # noqa: E731
+        step_uploads = [u for u in open_uploads(store) if _names_a_step(u.key.split("/", 1)[0], naming)]
+        active = {u.key.split("/", 1)[0] for u in step_uploads if not old(u.initiated)}
+        for s in steps:
+            if s.committed or s.step in keep or not old(s.last_modified) or s.prefix in active:
+                continue
+            foreign = [k for k in s.keys if not _written_by_dcp(k)]
+            if foreign:
+                logger.warning("%s: not deleted as a failed save's debris: it holds %s, which no DCP writer wrote",
+                               store.url_for(s.prefix), foreign[0])
+                continue
+            incomplete.append(s)
+        uploads = [u for u in step_uploads if old(u.initiated)]
     if keep_last is not None and len(committed) > keep_last:
         kept = retained((order or CommitOrder(store)).records(committed), keep_last) | keep
         pruned = [s for s in committed if s.step not in kept]
     return GcPlan(incomplete, uploads, pruned)
+
+
+def _names_a_step(prefix: str, naming: StepNaming | None) -> bool:
+    return (parse_step(prefix) if naming is None else naming.parse(prefix)) is not None
+
+
+def _written_by_dcp(key: str) -> bool:
+    """Whether ``key`` (relative to its step) is what a DCP writer leaves: shards, ``.metadata*``, dcpstore's own objects."""
+    name = key.rpartition("/")[2]
+    return name.endswith(".distcp") or name.startswith((METADATA_KEY, ".dcpstore-"))

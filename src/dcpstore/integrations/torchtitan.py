@@ -21,7 +21,11 @@ What changes against torchtitan's manager:
   after a resume, the first save runs no planning collective.
 - **Which step resumes.**  The newest *committed* step, by commit order
   (``dcpstore.steps``), not the highest folder number with a
-  ``.metadata``; ``load_step`` still picks one.
+  ``.metadata``; ``load_step`` still picks one.  Loading an explicit
+  ``load_step`` is a rollback: steps are never overwritten, so the first
+  save after it deletes the committed steps numbered above it (a warning
+  names them), whose numbers this run is about to save again; torchtitan's
+  own writer would overwrite them one by one.  ``load_only`` deletes nothing.
 - **Retention.**  ``keep_latest_k`` keeps that many committed steps (the
   newest commit and its lineage first, then the newest), and deletes the
   debris of failed saves once nothing under it is younger than
@@ -42,7 +46,9 @@ Steps keep torchtitan's folder names (``{folder}/step-{N}``): stock
 torchtitan resumes from a dcpstore run, and this manager from a stock run's
 committed steps.  What stays torchtitan's: ``initial_load_path`` and the
 Hugging Face formats (``initial_load_in_hf``, ``last_save_in_hf``), read and
-written by torchtitan's own code.
+written by torchtitan's own code.  That code, and the check that the folder
+exists which precedes an initial load, go through fsspec with the AWS
+environment, not ``storage_options``.
 """
 
 from __future__ import annotations
@@ -89,7 +95,9 @@ class CheckpointManager(TorchtitanCheckpointManager):
         """Shard objects each rank writes per step: the uploads it runs in parallel."""
 
         gc_grace: float = 3600.0
-        """Seconds a failed save's debris must lie untouched before retention deletes it (a save may still be running)."""
+        """Seconds a failed save's debris must lie untouched before retention deletes it (a save may still be running).
+
+        With ``keep_latest_k=0`` nothing is deleted, debris included."""
 
     def __init__(self, config: Config, **components: Any) -> None:
         # torchtitan's own purge and async machinery stay off; the checkpointer does both.
@@ -98,6 +106,7 @@ class CheckpointManager(TorchtitanCheckpointManager):
             return
         self.async_mode = AsyncMode(config.async_mode)
         self.keep_latest_k = config.keep_latest_k
+        self._rolled_back_to: int | None = None  # an explicit load_step, until the first save above it
         self.checkpointer = AsyncCheckpointer(
             self.folder,
             storage_options=config.storage_options,
@@ -134,6 +143,14 @@ class CheckpointManager(TorchtitanCheckpointManager):
         step = self._step_of(checkpoint_id)
         if to_hf or step is None:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+        if self._rolled_back_to is not None and step > self._rolled_back_to:
+            discarded = self.checkpointer.discard_steps_above(self._rolled_back_to)  # on every rank
+            if discarded:
+                logger.warning(
+                    f"Rolled back to step {self._rolled_back_to}: deleted the committed steps {discarded} "
+                    "it abandoned, whose numbers this run saves again."
+                )
+            self._rolled_back_to = None
         handle = self.checkpointer.save(state_dict, step)
         result: Future | AsyncSaveResponse | None = None
         if async_mode is AsyncMode.DISABLED:
@@ -167,6 +184,8 @@ class CheckpointManager(TorchtitanCheckpointManager):
                 logger.info("No checkpoint was provided, this is a fresh start.")
                 return False
             step = latest
+        elif not self.load_only:
+            self._rolled_back_to = step
         checkpoint_id = self._create_checkpoint_id(step)
         logger.info(f"Loading the checkpoint from {checkpoint_id}.")
         begin = time.monotonic()
