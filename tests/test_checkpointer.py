@@ -223,7 +223,7 @@ def test_cuda_staging_is_pinned_async_and_ordered(bucket):
     w.mul_(0)  # queued after the staging copy on the training stream
     handle.result()
     pool = ckpt._pools[0]
-    assert all(b.is_pinned() for b in pool._buffers.values())
+    assert pool.pinned_bytes >= w.numel() * 4 and pool._slab.tensor.is_pinned()
     out = {"w": torch.zeros(1024, 1024, device="cuda")}
     ckpt.load(out, step=1)
     assert torch.equal(out["w"].cpu(), expected)

@@ -76,3 +76,26 @@ def test_thirty_async_saves_leave_no_threads_or_memory_behind(two_roots):
     assert py_after <= py_threads, [t.name for t in threading.enumerate()]
     assert os_after <= os_threads
     assert memory_after - memory < RSS_TOLERANCE
+
+
+def test_staging_memory_is_what_the_items_need_and_stays_flat_while_shapes_change(tmp_path):
+    """Host memory as allocated (``SaveStats.host_bytes``) within 1.1x the staged tensor bytes, flat over 5 saves.
+
+    Sizes that are not powers of two: torch's caching host allocator would
+    round each buffer up (a 172 MiB shard pins 256 MiB); the pool's one slab
+    holds the items' bytes at 64-byte offsets.  The first save is the
+    largest; later saves change shapes and reuse the slab.
+    """
+    shapes = [(3000, 173), (3000, 173), (2500, 199), (1000, 77), (3000, 173)]
+    with dcpstore.AsyncCheckpointer(f"file://{tmp_path}/run") as ckpt:
+        held = []
+        for step, (rows, cols) in enumerate(shapes):
+            sd = {"w": torch.randn(rows, cols), "b": torch.randn(cols + 1), "s": torch.tensor(step)}
+            stats = ckpt.save(sd, step=step).result()
+            tensor_bytes = sum(t.numel() * t.element_size() for t in sd.values())
+            held.append(stats.host_bytes)
+            if step == 0:
+                assert tensor_bytes <= stats.host_bytes <= 1.1 * tensor_bytes
+        assert held == [held[0]] * len(shapes)
+        assert all(s.pinned_bytes == 0 for s in [stats])  # no CUDA tensor: nothing pinned
+    assert all(pool.nbytes == 0 for pool in ckpt._pools)  # close() gave it back

@@ -94,6 +94,9 @@ class SaveStats:
     commit_s: float = 0.0
     staged_bytes: int = 0
     staged_items: int = 0  # with a cached plan, only the items this rank writes
+    host_bytes: int = 0  # host memory the staging pool holds, as allocated
+    pinned_bytes: int = 0  # of it, pinned
+    device_stall_s: float = 0.0  # how long a training stream waited for the device-to-host copies (CUDA events)
 
 
 class SaveHandle:
@@ -108,14 +111,31 @@ class SaveHandle:
     """
 
     def __init__(
-        self, step: int, url: str, future: concurrent.futures.Future, stats: SaveStats, pool: StagingPool | None = None
+        self,
+        step: int,
+        url: str,
+        future: concurrent.futures.Future,
+        stats: SaveStats,
+        pool: StagingPool | None = None,
+        staged: StagedItems | None = None,
     ):
         self.step, self.url, self._future, self.stats = step, url, future, stats
         self._pool = pool  # the staging pool the save reads from until it is done
+        self._staged = staged
         self.failure_delivered = False  # its error has been raised to the caller
 
     def done(self) -> bool:
         return self._future.done()
+
+    def wait_staged(self) -> None:
+        """Make the training streams wait, on the GPU, for this save's device-to-host copies (see ``overlap_copy``).
+
+        The host does not block.  Call it before the first kernel that
+        modifies a saved tensor: the optimizer step.  A no-op when the
+        checkpointer already did it in ``save`` (the default), or without CUDA.
+        """
+        if self._staged is not None:
+            self._staged.make_streams_wait()
 
     @property
     def future(self) -> concurrent.futures.Future:
@@ -267,6 +287,16 @@ class AsyncCheckpointer:
             (connect + read timeout + 1 s).  It returns as soon as the
             ``.metadata`` shows up.
         transfer, objects_per_rank, key_spread: see ``ObjectStoreWriter``.
+        pin_memory: pin the staging memory (default: when CUDA is available).
+        overlap_copy: let the device-to-host copies of CUDA tensors overlap
+            training.  By default ``save`` makes each device's current stream
+            wait for them, so the next kernels (forward, backward) queue
+            behind the copy, and nothing more is asked of the loop.  With
+            ``True`` that wait is the loop's: call ``wait_staged()`` (or the
+            handle's) before the first kernel that modifies a saved tensor,
+            the optimizer step.  Nothing else may write a saved tensor
+            before then: not a buffer that forward updates (BatchNorm's
+            running statistics), not an in-place op on a parameter.
         step_naming: how step prefixes are named (``layout.StepNaming``).
             The checkpointer sees only the steps named its way.
     """
@@ -287,6 +317,7 @@ class AsyncCheckpointer:
         objects_per_rank: int = 4,
         key_spread: int = 1,
         pin_memory: bool | None = None,
+        overlap_copy: bool = False,
         gc_grace: float | None = None,
         step_naming: StepNaming = StepNaming.DCPSTORE,
     ):
@@ -324,6 +355,7 @@ class AsyncCheckpointer:
             key_spread=key_spread,
             commit_window=commit_window,
         )
+        self.overlap_copy = overlap_copy
         self._pools = [StagingPool(pin_memory) for _ in range(max_in_flight)]
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpstore-save")
         self._pending: list[SaveHandle] = []
@@ -372,16 +404,18 @@ class AsyncCheckpointer:
             # replicated item is copied to host by the one rank the plan's
             # dedup gave it to, not by every rank that holds it.
             cached = self.plan_cache.lookup(local_plan, self.world_size, wait=False)
-            staged = pool.stage(list((cached.central_plan if cached else local_plan).items), planner)
+            items = list((cached.central_plan if cached else local_plan).items)
+            staged = pool.stage(items, planner, training_waits=not self.overlap_copy)
         except Exception as e:
             self._executor.submit(self._run, _SaveJob(step, url, None, None, None, stats, error=e))
             raise
         stats.staged_bytes = staged.nbytes
         stats.staged_items = len(staged)
+        stats.host_bytes, stats.pinned_bytes = pool.nbytes, pool.pinned_bytes
         job = _SaveJob(step, url, planner, local_plan, staged, stats)
         future = self._executor.submit(self._run, job)
         stats.blocking_s = time.perf_counter() - t0
-        handle = SaveHandle(step, url, future, stats, pool)
+        handle = SaveHandle(step, url, future, stats, pool, staged)
         self._pending.append(handle)
         return handle
 
@@ -397,6 +431,11 @@ class AsyncCheckpointer:
         if not getattr(plan, "usable", True):
             plan = planner.plan
         return plan
+
+    def wait_staged(self) -> None:
+        """``SaveHandle.wait_staged`` for every pending save: call it before the optimizer step with ``overlap_copy``."""
+        for handle in self._pending:
+            handle.wait_staged()
 
     def maybe_finalize(self) -> list[int]:
         """Collect saves that finished, without blocking; returns the steps committed.
@@ -500,6 +539,8 @@ class AsyncCheckpointer:
         except Exception as e:  # noqa: BLE001 - reported to the coordinator
             error = e
         job.stats.upload_s = time.perf_counter() - t1
+        if job.staged is not None:
+            job.stats.device_stall_s = job.staged.stall_s()  # the waits made so far (overlap_copy: the loop's)
 
         t2 = time.perf_counter()
         self._commit(job, writer, metadata, results, error)

@@ -36,8 +36,11 @@ What changes against torchtitan's manager:
 - **async_mode.**  All three go through the ``AsyncCheckpointer``:
   ``disabled`` returns once the step is committed; ``async`` and
   ``async_with_pinned_mem`` return once the rank's items are staged into
-  reused host buffers (pinned where CUDA is), and the upload and commit go
-  on in the background.  An error of a background save is raised where
+  reused host memory (pinned where CUDA is), and the upload and commit go
+  on in the background.  ``async_with_pinned_mem`` also lets the
+  device-to-host copies overlap forward and backward (``overlap_copy``):
+  torchtitan's ``maybe_wait_for_staging()``, just before the optimizer
+  step, makes the training stream wait for them on the GPU.  An error of a background save is raised where
   torchtitan waits for it (the next save, or ``close``).  torchtitan still
   builds its own stager for ``async_with_pinned_mem`` (which needs an
   accelerator), but nothing is staged through it.
@@ -115,7 +118,9 @@ class CheckpointManager(TorchtitanCheckpointManager):
             transfer=config.transfer,
             objects_per_rank=config.objects_per_rank,
             step_naming=StepNaming.TORCHTITAN,
+            overlap_copy=self.async_mode is AsyncMode.ASYNC_WITH_PINNED_MEM,
         )
+        self._staging: Any = None  # the SaveHandle whose copies the optimizer step must wait for
 
     def _step_of(self, checkpoint_id: str) -> int | None:
         """The step ``checkpoint_id`` names in this manager's folder, or ``None`` for any other path."""
@@ -158,12 +163,21 @@ class CheckpointManager(TorchtitanCheckpointManager):
         elif async_mode is AsyncMode.ASYNC:
             result = handle.future
         else:
+            # torchtitan waits on staging through _maybe_wait_for_staging, on the GPU.
             staged: Future = Future()
             staged.set_result(None)
+            self._staging = handle
             result = AsyncSaveResponse(staging_completion=staged, upload_completion=handle.future)
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return result
+
+    def _maybe_wait_for_staging(self) -> None:
+        """Make the training streams wait for the last save's copies, on the GPU (torchtitan calls it before the optimizer step)."""
+        if self._staging is not None:
+            self._staging.wait_staged()
+            self._staging = None
+        self.staging_future = None
 
     def _wait_for_saving(self) -> None:
         """Wait for the background save; its failure is raised here once (``AsyncCheckpointer.wait``)."""

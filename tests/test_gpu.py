@@ -1,0 +1,147 @@
+"""The CUDA staging path, made deterministic: skipped without CUDA, run by ``scripts/gpu_check.sh``.
+
+A ``torch.cuda._sleep`` queued on the pool's side stream before ``save()``
+holds the device-to-host copy back, so each test knows the order the GPU
+runs things in instead of racing a sub-millisecond copy.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dcpstore
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+HOLD = 2_000_000_000  # GPU clock cycles on the side stream: about a second
+
+
+def _hold_copies(ckpt, device, pool: int = 0) -> None:
+    """Queue a long kernel on the side stream the next save's copies go on."""
+    with torch.cuda.device(device):
+        side = ckpt._pools[pool]._side_stream(torch.device(device))
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(HOLD)
+
+
+def _loaded(ckpt, like: dict, step: int) -> dict:
+    out = {k: torch.zeros_like(v) for k, v in like.items()}
+    ckpt.load(out, step=step)
+    return out
+
+
+def test_overlap_copy_returns_before_the_copy_and_the_step_keeps_the_values_saved(tmp_path):
+    """(a) With overlap_copy the copy is still pending when save() returns, and the training stream is not held."""
+    ckpt = dcpstore.AsyncCheckpointer(f"file://{tmp_path}/run", overlap_copy=True)
+    w = torch.randn(1024, 1024, device="cuda")
+    ckpt.save({"w": w}, step=1).result()  # the slab exists from here on
+    _hold_copies(ckpt, w.device)
+    expected = w.clone()
+    handle = ckpt.save({"w": w}, step=2)
+    marker = torch.cuda.Event()
+    marker.record()  # on the training stream, after save()
+    marker.synchronize()
+    assert not handle._staged._copies[w.device].query()  # the copy waits behind the held side stream
+    handle.wait_staged()  # the optimizer step's wait, on the GPU
+    w.add_(1)
+    stats = handle.result()
+    assert torch.equal(_loaded(ckpt, {"w": w}, 2)["w"], expected)
+    assert stats.device_stall_s > 0.1  # w.add_ waited for the held copy
+    assert stats.pinned_bytes >= w.numel() * 4
+    ckpt.close()
+
+
+def test_by_default_the_next_kernel_waits_and_an_overwrite_leaves_the_saved_values(tmp_path):
+    """(b) Without overlap_copy, a kernel queued right after save() runs after the copy."""
+    ckpt = dcpstore.AsyncCheckpointer(f"file://{tmp_path}/run")
+    w = torch.randn(1024, 1024, device="cuda")
+    ckpt.save({"w": w}, step=1).result()
+    _hold_copies(ckpt, w.device)
+    expected = w.clone()
+    handle = ckpt.save({"w": w}, step=2)
+    w.mul_(0)  # queued on the training stream after its wait on the copy
+    handle.result()
+    assert torch.equal(_loaded(ckpt, {"w": w}, 2)["w"], expected)
+    ckpt.close()
+
+
+def test_two_saves_in_flight_each_hold_their_own_values(tmp_path):
+    """(c) max_in_flight=2, the second save's copy held back: each step has the values it was saved with."""
+    ckpt = dcpstore.AsyncCheckpointer(f"file://{tmp_path}/run", max_in_flight=2)
+    w = torch.randn(512, 512, device="cuda")
+    first = w.clone()
+    ckpt.save({"w": w}, step=1)
+    w.add_(1)
+    second = w.clone()
+    _hold_copies(ckpt, w.device, pool=1)
+    ckpt.save({"w": w}, step=2)
+    w.add_(1)
+    ckpt.wait()
+    assert torch.equal(_loaded(ckpt, {"w": w}, 1)["w"], first)
+    assert torch.equal(_loaded(ckpt, {"w": w}, 2)["w"], second)
+    ckpt.close()
+
+
+def test_a_save_under_a_non_default_stream_captures_its_pending_work(tmp_path):
+    """(e) The copies wait for the work queued on the caller's current stream, whichever stream that is."""
+    ckpt = dcpstore.AsyncCheckpointer(f"file://{tmp_path}/run")
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        w = torch.zeros(1024, 1024, device="cuda")
+        torch.cuda._sleep(HOLD)
+        w.fill_(7.0)
+        handle = ckpt.save({"w": w}, step=1)
+    handle.result()
+    assert torch.equal(_loaded(ckpt, {"w": w}, 1)["w"].cpu(), torch.full((1024, 1024), 7.0))
+    ckpt.close()
+
+
+def test_bf16_transposed_and_0_dim_items_round_trip(tmp_path):
+    """(f) Items the slab carves at odd sizes and dtypes."""
+    ckpt = dcpstore.AsyncCheckpointer(f"file://{tmp_path}/run")
+    sd = {
+        "bf16": torch.randn(333, 77, device="cuda").to(torch.bfloat16),
+        "transposed": torch.randn(64, 48, device="cuda").t(),
+        "scalar": torch.tensor(3.25, device="cuda"),
+        "int": torch.arange(1001, device="cuda", dtype=torch.int16),
+    }
+    expected = {k: v.cpu() for k, v in sd.items()}
+    ckpt.save(sd, step=1).result()
+    for k, v in _loaded(ckpt, {k: v.contiguous() for k, v in sd.items()}, 1).items():
+        assert torch.equal(v.cpu(), expected[k]), k
+    ckpt.close()
+
+
+def test_pinned_memory_is_exact_and_given_back(tmp_path):
+    """Pinned bytes within 1.1x the staged bytes (not a power of two), flat over 5 saves with a shape change, 0 after close."""
+    ckpt = dcpstore.AsyncCheckpointer(f"file://{tmp_path}/run")
+    pinned = []
+    for step, rows in enumerate((3001, 3001, 2003, 1001, 3001)):
+        w = torch.randn(rows, 15013, device="cuda")  # about 172 MiB at 3001 rows
+        stats = ckpt.save({"w": w}, step=step).result()
+        pinned.append(stats.pinned_bytes)
+        if step == 0:
+            assert w.numel() * 4 <= stats.pinned_bytes <= 1.1 * w.numel() * 4
+    assert pinned == [pinned[0]] * 5
+    ckpt.close()
+    assert all(pool.pinned_bytes == 0 for pool in ckpt._pools)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tensors_on_cuda_1_create_no_context_on_gpu_0(tmp_path):
+    """(g) A rank whose tensors are on cuda:1 and that never called set_device: no primary context on GPU 0."""
+    code = f"""
+import torch, dcpstore
+w = torch.randn(1000, 1000, device="cuda:1")
+ckpt = dcpstore.AsyncCheckpointer("file://{tmp_path}/run")
+ckpt.save({{"w": w}}, step=1).result()
+out = {{"w": torch.zeros(1000, 1000, device="cuda:1")}}
+ckpt.load(out, step=1)
+ckpt.close()
+assert torch.equal(out["w"], w)
+assert not torch._C._cuda_hasPrimaryContext(0), "a context was created on GPU 0"
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
