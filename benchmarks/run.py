@@ -10,8 +10,13 @@ with credentials from the AWS environment); every contender saves
 and loads the same state dict against it, interleaved A B C A B C ... for
 ``--rounds`` rounds.  Medians are reported, with ratios measured in this run
 only (these machines are noisy: never compare absolute times across runs):
-each contender against a raw boto3 multipart PUT/GET of the same bytes, and
-dcpstore against the best peer.  Writes ``results.json`` and ``results.png``
+each contender against a raw boto3 multipart PUT/GET of the same bytes (its
+payload and its download sink made outside the meter, as every contender's
+input is), dcpstore against the best peer, and every contender's CPU per
+GiB against the ``floor`` row: this machine's cost of the work no client
+can avoid (one copy into a reused buffer, one crc32 pass, the bytes sent
+over loopback to a process that discards them; for the load, received
+into that buffer and checked).  Writes ``results.json`` and ``results.png``
 into ``--out``.  A contender that fails against the server (s3torchconnector
 cannot write to Ceph RGW) is recorded as failed, with its error, and the run
 goes on.
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import json
 import os
 import platform
@@ -307,21 +313,154 @@ def _s3tc_reader(url):
     return S3StorageReader(region="us-east-1", path=url, s3client_config=_s3tc_config())
 
 
+class _PreparedOutsideTheMeter:
+    """Inputs and sinks a contender reuses from round to round, built before its meter starts (as dcpstore's state dict is)."""
+
+    def __init__(self):
+        self._kept: dict[tuple, Any] = {}
+
+    def get(self, key: tuple, make):
+        if key not in self._kept:
+            self._kept[key] = make()
+        return self._kept[key]
+
+    def close(self) -> None:
+        for kept in self._kept.values():
+            if hasattr(kept, "close") and not isinstance(kept, io.IOBase):
+                kept.close()
+        self._kept.clear()
+
+
+PREPARED = _PreparedOutsideTheMeter()
+FLOOR = "floor (copy + crc32 + loopback)"
+
+
+class _PreallocatedSink(io.RawIOBase):
+    """A seekable file over a buffer allocated once: a download lands each byte with one copy, and nothing grows."""
+
+    def __init__(self, size: int):
+        self._view = memoryview(bytearray(size))
+        self._pos = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = pos if whence == io.SEEK_SET else self._pos + pos if whence == io.SEEK_CUR else len(self._view) + pos
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, b) -> int:
+        n = len(b)
+        self._view[self._pos : self._pos + n] = b
+        self._pos += n
+        return n
+
+
 def raw_boto3(sd, url, pg):
-    """The ceiling: the same bytes as one multipart PUT and one GET with boto3's transfer manager."""
+    """The ceiling: the same bytes as one multipart PUT and one GET with boto3's transfer manager.
+
+    Its payload (an immutable ``bytes``, which ``BytesIO`` shares without a
+    copy) and its download sink (a preallocated buffer) are made outside the
+    meter: what is metered is boto3's own work.
+    """
     from boto3.s3.transfer import TransferConfig
 
     bucket, key = url[len("s3://") :].split("/", 1)
     client = boto3.client("s3")
     cfg = TransferConfig(multipart_threshold=16 * MiB, multipart_chunksize=16 * MiB, max_concurrency=16)
-    payload = bytearray(nbytes(sd))
-    import io
-
+    size = nbytes(sd)
+    payload = PREPARED.get(("raw boto3 payload", size), lambda: bytes(size))
+    sink = PREPARED.get(("raw boto3 sink", size), lambda: _PreallocatedSink(size))
     phases = _Phases()
     client.upload_fileobj(io.BytesIO(payload), bucket, f"{key}/blob-{os.getpid()}", Config=cfg)
     phases.mark("blocking_s")
     phases.saved()
-    client.download_fileobj(bucket, f"{key}/blob-{os.getpid()}", io.BytesIO(), Config=cfg)
+    sink.seek(0)
+    client.download_fileobj(bucket, f"{key}/blob-{os.getpid()}", sink, Config=cfg)
+    return phases.loaded()
+
+
+_LOOPBACK_PEER = r"""
+import socket, sys, threading
+chunk = bytearray(1 << 20)
+def serve(listener, role):
+    while True:
+        conn, _ = listener.accept()
+        with conn:
+            if role == "sink":  # read everything, then say so
+                while conn.recv_into(chunk):
+                    pass
+                conn.sendall(b"k")
+            else:  # send the number of bytes asked for
+                want = int.from_bytes(conn.recv(8), "big")
+                view = memoryview(chunk)
+                while want:
+                    n = conn.send(view[: min(want, len(chunk))])
+                    want -= n
+sockets = []
+for role in ("sink", "source"):
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(4); sockets.append(s)
+    threading.Thread(target=serve, args=(s, role), daemon=True).start()
+print(sockets[0].getsockname()[1], sockets[1].getsockname()[1], flush=True)
+sys.stdin.read()
+"""
+
+
+class _LoopbackPeer:
+    """A process on loopback that discards what it is sent and sends what it is asked for (its CPU is not metered)."""
+
+    def __init__(self):
+        import subprocess
+
+        self._proc = subprocess.Popen([sys.executable, "-c", _LOOPBACK_PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.sink_port, self.source_port = map(int, self._proc.stdout.readline().split())
+
+    def close(self) -> None:
+        self._proc.stdin.close()
+        self._proc.wait(timeout=10)
+
+
+def floor(sd, url, pg):
+    """What no client can avoid on this machine, per byte: the floor every contender's CPU is measured against.
+
+    Save: one copy of the tensors into a reused buffer, one crc32 pass, and
+    the bytes sent over loopback to a process that discards them.  Load:
+    the bytes received over loopback into that buffer, and one crc32 pass.
+    The buffer and the peer process exist before the meter starts.
+    """
+    import socket
+    import zlib
+
+    size = nbytes(sd)
+    buf = PREPARED.get(("floor buffer", size), lambda: torch.empty(size, dtype=torch.uint8))
+    peer = PREPARED.get(("floor peer",), _LoopbackPeer)
+    view = memoryview(buf.numpy())
+    phases = _Phases()
+    offset = 0
+    for v in sd.values():
+        if isinstance(v, torch.Tensor):
+            n = v.numel() * v.element_size()
+            buf[offset : offset + n].copy_(v.reshape(-1).view(torch.uint8))
+            offset += n
+    zlib.crc32(view)
+    with socket.create_connection(("127.0.0.1", peer.sink_port)) as conn:
+        conn.sendall(view)
+        conn.shutdown(socket.SHUT_WR)
+        conn.recv(1)
+    phases.mark("blocking_s")
+    phases.saved()
+    with socket.create_connection(("127.0.0.1", peer.source_port)) as conn:
+        conn.sendall(size.to_bytes(8, "big"))
+        got = 0
+        while got < size:
+            got += conn.recv_into(view[got:])
+    zlib.crc32(view)
     return phases.loaded()
 
 
@@ -334,6 +473,7 @@ def contenders(with_s3tc: bool) -> dict:
         "torch FsspecWriter dcp.async_save": _dcp_pair(_fsspec_writer, _fsspec_reader, True),
         "torch DefaultStager + plan caching async_save": torch_best_async,
         "raw boto3 multipart": raw_boto3,
+        FLOOR: floor,
     }
     if with_s3tc:
         out["s3torchconnector dcp.save"] = _dcp_pair(_s3tc_writer, _s3tc_reader, False)
@@ -474,7 +614,8 @@ def _ok(summary: dict) -> dict:
 def add_ratios(summary: dict) -> None:
     summary = _ok(summary)
     raw = summary.get("raw boto3 multipart")
-    peers = {n: s for n, s in summary.items() if not n.startswith(("dcpstore", "raw"))}
+    low = summary.get(FLOOR)
+    peers = {n: s for n, s in summary.items() if not n.startswith(("dcpstore", "raw", "floor"))}
     best_peer = max(peers.values(), key=lambda s: s["save_mb_s"]) if peers else None
     for name, s in summary.items():
         if raw:
@@ -485,6 +626,9 @@ def add_ratios(summary: dict) -> None:
             s["load_vs_best_peer"] = s["load_mb_s"] / best_peer["load_mb_s"]
         # CPU per GiB against the ceiling and against s3torchconnector (issue 12's goals:
         # save <= 1.0x s3torchconnector and <= 1.1x raw boto3, load <= 1.5x raw boto3).
+        if low and low["save_cpu_s_per_gib"] > 0:
+            s["save_cpu_vs_floor"] = s["save_cpu_s_per_gib"] / low["save_cpu_s_per_gib"]
+            s["load_cpu_vs_floor"] = s["load_cpu_s_per_gib"] / low["load_cpu_s_per_gib"]
         if raw and raw["save_cpu_s_per_gib"] > 0:
             s["save_cpu_vs_raw_boto3"] = s["save_cpu_s_per_gib"] / raw["save_cpu_s_per_gib"]
             s["load_cpu_vs_raw_boto3"] = s["load_cpu_s_per_gib"] / raw["load_cpu_s_per_gib"]
@@ -495,7 +639,8 @@ def add_ratios(summary: dict) -> None:
 
 def print_table(title: str, summary: dict) -> str:
     lines = [f"\n{title}", f"{'contender':<47}{'block s':>9}{'commit s':>9}{'save MB/s':>10}{'load MB/s':>10}"
-             f"{'save CPU s/GiB':>15}{'load CPU s/GiB':>15}{'RSS/sd':>8}{'reqs':>7}{'save/raw':>9}{'save/peer':>10}"]
+             f"{'save CPU s/GiB':>15}{'load CPU s/GiB':>15}{'RSS/sd':>8}{'reqs':>7}{'save/raw':>9}{'save/peer':>10}"
+             f"{'CPU/floor save':>15}{'load':>6}"]
     for name, s in summary.items():
         if "error" in s:
             lines.append(f"{name:<44}  failed: {s['error'][:120]}")
@@ -505,6 +650,7 @@ def print_table(title: str, summary: dict) -> str:
             f"{s['save_cpu_s_per_gib']:>15.2f}{s['load_cpu_s_per_gib']:>15.2f}"
             f"{s['peak_rss_over_state']:>8.2f}{s['requests']:>7.0f}"
             f"{s.get('save_vs_raw_boto3', float('nan')):>9.2f}{s.get('save_vs_best_peer', float('nan')):>10.2f}"
+            f"{s.get('save_cpu_vs_floor', float('nan')):>15.2f}{s.get('load_cpu_vs_floor', float('nan')):>6.2f}"
         )
     for name, s in summary.items():
         if name.startswith("dcpstore") and "save_cpu_vs_raw_boto3" in s:
@@ -611,6 +757,7 @@ def main(argv=None) -> int:
                         failed.add(name)  # it fails the same way every round
                     _empty_bucket(s3, bucket)
             KEPT.close()
+            PREPARED.close()
             return rows
 
         for ws in args.world_sizes:

@@ -25,11 +25,12 @@ def test_benchmark_harness_runs_end_to_end(tmp_path):
     out, results = _run_harness(tmp_path, "--no-s3torchconnector")
     summary = results["runs"][0]["summary"]
     assert {"dcpstore AsyncCheckpointer", "torch FsspecWriter dcp.save", "raw boto3 multipart",
-            "torch DefaultStager + plan caching async_save"} <= set(summary)
+            "torch DefaultStager + plan caching async_save", "floor (copy + crc32 + loopback)"} <= set(summary)
     for row in summary.values():
         assert row["commit_s"] > 0 and row["load_s"] > 0 and row["requests"] > 0
         assert row["save_cpu_s_per_gib"] > 0 and row["load_cpu_s_per_gib"] > 0
         assert "save_vs_raw_boto3" in row and "save_cpu_vs_raw_boto3" in row
+        assert row["save_cpu_vs_floor"] > 0 and row["load_cpu_vs_floor"] > 0
     assert "save_vs_best_peer" in summary["dcpstore AsyncCheckpointer"]
     assert results["blocking_vs_clone"]["ratio_steady_state"] > 0
     assert (tmp_path / "results.png").stat().st_size > 1000
