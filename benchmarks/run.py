@@ -626,9 +626,9 @@ def add_ratios(summary: dict) -> None:
             s["load_vs_best_peer"] = s["load_mb_s"] / best_peer["load_mb_s"]
         # CPU per GiB against the ceiling and against s3torchconnector (issue 12's goals:
         # save <= 1.0x s3torchconnector and <= 1.1x raw boto3, load <= 1.5x raw boto3).
-        if low and low["save_cpu_s_per_gib"] > 0:
-            s["save_cpu_vs_floor"] = s["save_cpu_s_per_gib"] / low["save_cpu_s_per_gib"]
-            s["load_cpu_vs_floor"] = s["load_cpu_s_per_gib"] / low["load_cpu_s_per_gib"]
+        for phase in ("save", "load") if low else ():
+            if low[f"{phase}_cpu_s_per_gib"] > 0:  # a tiny run's floor can be below getrusage's resolution
+                s[f"{phase}_cpu_vs_floor"] = s[f"{phase}_cpu_s_per_gib"] / low[f"{phase}_cpu_s_per_gib"]
         if raw and raw["save_cpu_s_per_gib"] > 0:
             s["save_cpu_vs_raw_boto3"] = s["save_cpu_s_per_gib"] / raw["save_cpu_s_per_gib"]
             s["load_cpu_vs_raw_boto3"] = s["load_cpu_s_per_gib"] / raw["load_cpu_s_per_gib"]

@@ -26,11 +26,15 @@ def test_benchmark_harness_runs_end_to_end(tmp_path):
     summary = results["runs"][0]["summary"]
     assert {"dcpstore AsyncCheckpointer", "torch FsspecWriter dcp.save", "raw boto3 multipart",
             "torch DefaultStager + plan caching async_save", "floor (copy + crc32 + loopback)"} <= set(summary)
-    for row in summary.values():
+    floor = summary["floor (copy + crc32 + loopback)"]
+    for row in (row for row in summary.values() if row is not floor):
         assert row["commit_s"] > 0 and row["load_s"] > 0 and row["requests"] > 0
         assert row["save_cpu_s_per_gib"] > 0 and row["load_cpu_s_per_gib"] > 0
         assert "save_vs_raw_boto3" in row and "save_cpu_vs_raw_boto3" in row
-        assert row["save_cpu_vs_floor"] > 0 and row["load_cpu_vs_floor"] > 0
+    assert floor["commit_s"] > 0 and floor["load_s"] > 0 and floor["requests"] == 0
+    for phase in ("save", "load"):
+        if floor[f"{phase}_cpu_s_per_gib"] > 0:  # 4 MiB can be below getrusage's resolution on a busy box
+            assert all(row[f"{phase}_cpu_vs_floor"] > 0 for row in summary.values()), phase
     assert "save_vs_best_peer" in summary["dcpstore AsyncCheckpointer"]
     assert results["blocking_vs_clone"]["ratio_steady_state"] > 0
     assert (tmp_path / "results.png").stat().st_size > 1000
