@@ -23,7 +23,7 @@ import zlib
 from tqdm import tqdm
 
 from .errors import DcpstoreError, UnsafeCheckpointError
-from .layout import METADATA_KEY, StepInfo, list_steps, open_uploads, parse_step, step_prefix
+from .layout import METADATA_KEY, StepInfo, StepNaming, list_steps, open_uploads, parse_step
 from .storage import ObjectStore, open_store
 
 # torch (and the modules that need it) are imported by the commands that read
@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("inspect", help="summarize one checkpoint's metadata")
-    p.add_argument("uri", help=f"checkpoint prefix, e.g. s3://bucket/run-7/{step_prefix(1000)}")
+    p.add_argument("uri", help=f"checkpoint prefix, e.g. s3://bucket/run-7/{StepNaming.DCPSTORE.prefix(1000)}")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
 

@@ -47,14 +47,10 @@ class StepNaming(enum.Enum):
 _STEP_RES = {StepNaming.DCPSTORE: re.compile(r"^step_(\d{8,})$"), StepNaming.TORCHTITAN: re.compile(r"^step-(\d+)$")}
 
 
-def step_prefix(step: int, naming: StepNaming = StepNaming.DCPSTORE) -> str:
-    return naming.prefix(step)
-
-
-def parse_step(prefix: str) -> int | None:
-    """The step that ``prefix`` names in either form, or ``None``."""
-    for naming in StepNaming:
-        step = naming.parse(prefix)
+def parse_step(prefix: str, naming: StepNaming | None = None) -> int | None:
+    """The step that ``prefix`` names in ``naming``'s form (default: either form), or ``None``."""
+    for form in StepNaming if naming is None else (naming,):
+        step = form.parse(prefix)
         if step is not None:
             return step
     return None
@@ -72,12 +68,12 @@ class StepInfo:
     committed_at: float | None = None  # its .metadata's time, if committed
 
 
-def list_steps(store: ObjectStore) -> list[StepInfo]:
-    """Every step under ``store``'s root, committed or not, oldest first."""
+def list_steps(store: ObjectStore, naming: StepNaming | None = None) -> list[StepInfo]:
+    """Every step under ``store``'s root (named in ``naming``'s form, if given), committed or not, oldest first."""
     grouped: dict[str, list] = {}
     for obj in store.list():
         head, _, rest = obj.key.partition("/")
-        if rest and parse_step(head) is not None:
+        if rest and parse_step(head, naming) is not None:
             grouped.setdefault(head, []).append((rest, obj))
     steps = []
     for prefix, objects in grouped.items():
@@ -134,4 +130,4 @@ def delete_incomplete_step(store: ObjectStore, step: StepInfo) -> bool:
 
 def committed_steps(store: ObjectStore, naming: StepNaming | None = None) -> list[StepInfo]:
     """The committed steps under ``store``'s root (only those named in ``naming``'s form, if given), lowest first."""
-    return [s for s in list_steps(store) if s.committed and (naming is None or naming.parse(s.prefix) is not None)]
+    return [s for s in list_steps(store, naming) if s.committed]

@@ -193,12 +193,12 @@ def plan_gc(
     plans no debris at all.  ``order`` (records already read) saves requests.
     """
     now = time.time() if now is None else now
-    steps = [s for s in list_steps(store) if naming is None or naming.parse(s.prefix) is not None]
+    steps = list_steps(store, naming)
     committed = [s for s in steps if s.committed]
     incomplete, uploads, pruned = [], [], []
     if grace is not None:
         old = lambda t: t is not None and t < now - grace  # noqa: E731
-        step_uploads = [u for u in open_uploads(store) if _names_a_step(u.key.split("/", 1)[0], naming)]
+        step_uploads = [u for u in open_uploads(store) if parse_step(u.key.split("/", 1)[0], naming) is not None]
         active = {u.key.split("/", 1)[0] for u in step_uploads if not old(u.initiated)}
         for s in steps:
             if s.committed or s.step in keep or not old(s.last_modified) or s.prefix in active:
@@ -214,10 +214,6 @@ def plan_gc(
         kept = retained((order or CommitOrder(store)).records(committed), keep_last) | keep
         pruned = [s for s in committed if s.step not in kept]
     return GcPlan(incomplete, uploads, pruned)
-
-
-def _names_a_step(prefix: str, naming: StepNaming | None) -> bool:
-    return (parse_step(prefix) if naming is None else naming.parse(prefix)) is not None
 
 
 def _written_by_dcp(key: str) -> bool:

@@ -40,10 +40,11 @@ What changes against torchtitan's manager:
   on in the background.  ``async_with_pinned_mem`` also lets the
   device-to-host copies overlap forward and backward (``overlap_copy``):
   torchtitan's ``maybe_wait_for_staging()``, just before the optimizer
-  step, makes the training stream wait for them on the GPU.  An error of a background save is raised where
-  torchtitan waits for it (the next save, or ``close``).  torchtitan still
-  builds its own stager for ``async_with_pinned_mem`` (which needs an
-  accelerator), but nothing is staged through it.
+  step, makes the training stream wait for them on the GPU.  An error of a
+  background save is raised where torchtitan waits for it (the next save,
+  or ``close``).  torchtitan still builds its own stager for
+  ``async_with_pinned_mem`` (which needs an accelerator), but nothing is
+  staged through it.
 
 Steps keep torchtitan's folder names (``{folder}/step-{N}``): stock
 torchtitan resumes from a dcpstore run, and this manager from a stock run's
