@@ -270,9 +270,13 @@ class S3ObjectStore(ObjectStore):
                 await asyncio.sleep(delay)
                 failures += 1
 
-    @property
+    @functools.cached_property
     def rate_scope(self) -> tuple[str, str]:
-        """What this store's request rates are kept under: (server, bucket), shared by every client sending there."""
+        """What this store's request rates are kept under: (server, bucket), shared by every client sending there.
+
+        Fixed for the store's life (its client and bucket are), so the
+        per-request path reads it once.
+        """
         return _servers[id(self.fs)], self._split("")[0]
 
     def _rate(self, key: str, method: str) -> RequestRate:
