@@ -160,29 +160,39 @@ class _Phases:
 
 
 class _KeptForTheRun:
-    """What a training job keeps for its whole run, one per bucket: a checkpointer, a stager, a planner.
+    """What the run makes once and keeps, outside every meter.
 
     Stateful contenders (``AsyncCheckpointer``; torch's ``DefaultStager`` with
-    a plan-caching planner) are made once and each round saves the next
-    step, as every save after a job's first does: their buffers and caches
-    are warm from round 2 on, so the medians of 3 rounds are steady-state
-    saves (round 1, the cold one, is in the JSON rows).
+    a plan-caching planner), one per bucket, are made once and each round
+    saves the next step, as every save after a job's first does: their
+    buffers and caches are warm from round 2 on, so the medians of 3 rounds
+    are steady-state saves (round 1, the cold one, is in the JSON rows).
+    Inputs and sinks a contender reuses (raw boto3's payload and download
+    buffer, the floor's buffer and loopback peer) are made before its meter
+    starts, as dcpstore's state dict is.
     """
 
     def __init__(self):
-        self._kept: dict[tuple[str, str], Any] = {}
+        self._kept: dict[tuple, list] = {}
 
-    def get(self, contender: str, url: str, make):
-        key = (contender, url.split("/")[2])
+    def once(self, key: tuple, make):
+        """The object kept under ``key``, made on first use."""
         if key not in self._kept:
             self._kept[key] = [make(), 0]
+        return self._kept[key][0]
+
+    def get(self, contender: str, url: str, make):
+        """``contender``'s object for ``url``'s bucket, and how many saves have used it (the step to save)."""
+        key = (contender, url.split("/")[2])
+        self.once(key, make)
         entry = self._kept[key]
         entry[1] += 1
         return entry[0], entry[1]
 
     def close(self) -> None:
         for kept, _ in self._kept.values():
-            kept.close()
+            if hasattr(kept, "close"):
+                kept.close()
         self._kept.clear()
 
 
@@ -313,25 +323,6 @@ def _s3tc_reader(url):
     return S3StorageReader(region="us-east-1", path=url, s3client_config=_s3tc_config())
 
 
-class _PreparedOutsideTheMeter:
-    """Inputs and sinks a contender reuses from round to round, built before its meter starts (as dcpstore's state dict is)."""
-
-    def __init__(self):
-        self._kept: dict[tuple, Any] = {}
-
-    def get(self, key: tuple, make):
-        if key not in self._kept:
-            self._kept[key] = make()
-        return self._kept[key]
-
-    def close(self) -> None:
-        for kept in self._kept.values():
-            if hasattr(kept, "close") and not isinstance(kept, io.IOBase):
-                kept.close()
-        self._kept.clear()
-
-
-PREPARED = _PreparedOutsideTheMeter()
 FLOOR = "floor (copy + crc32 + loopback)"
 
 
@@ -375,8 +366,8 @@ def raw_boto3(sd, url, pg):
     client = boto3.client("s3")
     cfg = TransferConfig(multipart_threshold=16 * MiB, multipart_chunksize=16 * MiB, max_concurrency=16)
     size = nbytes(sd)
-    payload = PREPARED.get(("raw boto3 payload", size), lambda: bytes(size))
-    sink = PREPARED.get(("raw boto3 sink", size), lambda: _PreallocatedSink(size))
+    payload = KEPT.once(("raw boto3 payload", size), lambda: bytes(size))
+    sink = KEPT.once(("raw boto3 sink", size), lambda: _PreallocatedSink(size))
     phases = _Phases()
     client.upload_fileobj(io.BytesIO(payload), bucket, f"{key}/blob-{os.getpid()}", Config=cfg)
     phases.mark("blocking_s")
@@ -438,8 +429,8 @@ def floor(sd, url, pg):
     import zlib
 
     size = nbytes(sd)
-    buf = PREPARED.get(("floor buffer", size), lambda: torch.empty(size, dtype=torch.uint8))
-    peer = PREPARED.get(("floor peer",), _LoopbackPeer)
+    buf = KEPT.once(("floor buffer", size), lambda: torch.empty(size, dtype=torch.uint8))
+    peer = KEPT.once(("floor peer",), _LoopbackPeer)
     view = memoryview(buf.numpy())
     phases = _Phases()
     offset = 0
@@ -757,7 +748,6 @@ def main(argv=None) -> int:
                         failed.add(name)  # it fails the same way every round
                     _empty_bucket(s3, bucket)
             KEPT.close()
-            PREPARED.close()
             return rows
 
         for ws in args.world_sizes:
