@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The CUDA paths on a GPU machine: tests/test_gpu.py (the copies held back by a
 # sleep on the side stream, so their order is known: overlap, overwrites, two
-# saves in flight, non-default streams, odd dtypes and shapes, exact pinned
-# memory, no context on GPU 0), the CUDA tests of the checkpointer and the
+# saves in flight, planner temporaries under allocation churn, non-default
+# streams for async and plain dcp.save, odd dtypes and shapes, DTensor, exact
+# pinned memory, no context on GPU 0, loads into CUDA tensors bit-exact and a
+# corrupt item kept off the GPU), the CUDA tests of the checkpointer and the
 # torchtitan integration where their dependencies are installed, then staging
-# against the device-to-host roofline (benchmarks/staging.py).  Exits non-zero
-# on any failure.  About two minutes on one GPU.
+# and loading against the device-host rooflines (benchmarks/staging.py).
+# Exits non-zero on any failure.  About two minutes on one GPU.
 #
 # Needs torch with CUDA, fsspec and pytest; not the project's .venv (a GPU
 # machine has its own Python: PY=python3 by default when there is no .venv).

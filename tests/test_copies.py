@@ -12,7 +12,8 @@ The guard for the storage layer's per-byte cost (each copy or pass is
 * load: a tensor's bytes go from aiohttp's chunks straight into the
   destination tensor's memory (``scatter``), so nothing of an item's size is
   made on Python's heap; a destination that cannot take them as stored (not
-  contiguous) gets them from one buffer of the item's size.
+  contiguous) gets them from one buffer of the item's size, carved from the
+  load's host memory (``load_buffers``).
 
 Python-heap copies are counted with ``tracemalloc``, which sees every
 ``bytes``/``bytearray`` allocation (part buffers are ``mmap``s and tensors
@@ -30,7 +31,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcpstore
-from dcpstore import planner_data
+from dcpstore import load_buffers, planner_data
+from dcpstore.staging import HostSlab
 from dcpstore.storage import TransferConfig
 
 from conftest import read_metadata_raw
@@ -139,13 +141,17 @@ def test_a_load_lands_a_tensors_bytes_straight_in_its_destination(bucket, s3, si
     assert peak < waiting + 2 * MiB, f"{peak / MiB:.1f} MiB of Python heap to load a {size / MiB:.0f} MiB item"
 
 
-def test_a_destination_that_cannot_take_the_bytes_as_stored_gets_them_from_one_buffer(bucket, s3):
+def test_a_destination_that_cannot_take_the_bytes_as_stored_gets_them_from_the_loads_host_memory(bucket, s3, monkeypatch):
+    """One buffer of the item's size, carved from the load's slab (``load_buffers``), not made on Python's heap."""
     sd, reader = save_and_open(bucket, BIG)
     dest = {"big": torch.zeros(2 * sd["big"].numel())[::2], "small": torch.zeros(10)}  # not contiguous
+    slabs = []
+    monkeypatch.setattr(load_buffers, "HostSlab", lambda n: slabs.append(n) or HostSlab(n))
     peak = peak_python_heap(lambda: dcp.load(dest, storage_reader=reader, no_dist=True))
     reader.close()
     assert torch.equal(dest["big"], sd["big"])
-    assert BIG <= peak < 1.5 * BIG, f"{peak / MiB:.1f} MiB of Python heap to load a {BIG / MiB:.0f} MiB item"
+    assert peak < BIG / 4, f"{peak / MiB:.1f} MiB of Python heap to load a {BIG / MiB:.0f} MiB item"
+    assert len(slabs) == 1 and BIG < slabs[0] < BIG + 64 * 1024, f"slabs of {slabs} bytes: one, the big item's archive"
 
 
 @pytest.mark.parametrize("cut", ["first-part", "last-part"])

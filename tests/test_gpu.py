@@ -1,15 +1,20 @@
-"""The CUDA staging path, made deterministic: skipped without CUDA, run by ``scripts/gpu_check.sh``.
+"""The CUDA paths, made deterministic: skipped without CUDA, run by ``scripts/gpu_check.sh``.
 
 A ``torch.cuda._sleep`` queued on the pool's side stream before ``save()``
-holds the device-to-host copy back, so each test knows the order the GPU
-runs things in instead of racing a sub-millisecond copy.
+holds the device-to-host copy back (or, on the caller's stream, the work
+that produces a tensor), so each test knows the order the GPU runs things
+in instead of racing a sub-millisecond copy.
 """
 
+import pathlib
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import dcpstore
 
@@ -111,6 +116,95 @@ def test_bf16_transposed_and_0_dim_items_round_trip(tmp_path):
     ckpt.save(sd, step=1).result()
     for k, v in _loaded(ckpt, {k: v.contiguous() for k, v in sd.items()}, 1).items():
         assert torch.equal(v.cpu(), expected[k]), k
+    ckpt.close()
+
+
+class _TemporaryPlanner(DefaultSavePlanner):
+    """Hands each tensor over as a temporary (as a cast or ``full_tensor`` would), freed once it is staged."""
+
+    def resolve_data(self, write_item):
+        data = super().resolve_data(write_item)
+        return data * 1 if isinstance(data, torch.Tensor) else data
+
+
+def test_planner_temporaries_survive_allocation_churn_until_copied(tmp_path):
+    """(d) overlap_copy and a held copy: the temporaries' memory is not handed out again before the copy read it."""
+    ckpt = dcpstore.AsyncCheckpointer(f"file://{tmp_path}/run", overlap_copy=True, planner_factory=_TemporaryPlanner)
+    sd = {f"w{i}": torch.randn(256, 1024, device="cuda") for i in range(4)}
+    ckpt.save(sd, step=1).result()
+    expected = {k: v.clone() for k, v in sd.items()}
+    _hold_copies(ckpt, sd["w0"].device)
+    handle = ckpt.save(sd, step=2)
+    for _ in range(20):  # same-sized blocks, filled on the training stream while the copy is held
+        junk = [torch.empty_like(v).fill_(-1.0) for v in sd.values()]
+        del junk
+    handle.wait_staged()
+    handle.result()
+    loaded = _loaded(ckpt, sd, 2)
+    assert all(torch.equal(loaded[k], expected[k]) for k in sd)
+    ckpt.close()
+
+
+def test_dtensor_items_round_trip_on_cuda(tmp_path):
+    """(f) A DTensor on a one-GPU mesh (NCCL for tensors, gloo for dcpstore's object collectives)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        full = torch.randn(129, 65, device="cuda")
+        sd = {"d": distribute_tensor(full, mesh, [Shard(0)])}
+        ckpt = dcpstore.AsyncCheckpointer(f"file://{tmp_path}/run")
+        ckpt.save(sd, step=1).result()
+        out = {"d": distribute_tensor(torch.zeros_like(full), mesh, [Shard(0)])}
+        ckpt.load(out, step=1)
+        ckpt.close()
+        assert torch.equal(out["d"].full_tensor(), full)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_plain_dcp_save_under_a_non_default_stream_captures_its_pending_work(tmp_path):
+    """Plain ``dcp.save`` copies on upload threads: on the caller's stream, after the work queued there."""
+    url = f"file://{tmp_path}/plain"
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        w = torch.zeros(1024, 1024, device="cuda")
+        torch.cuda._sleep(HOLD)
+        w.fill_(7.0)
+        dcp.save({"w": w}, storage_writer=dcpstore.ObjectStoreWriter(url), no_dist=True)
+    out = {"w": torch.zeros(1024, 1024, device="cuda")}
+    dcp.load(out, storage_reader=dcpstore.ObjectStoreReader(url), no_dist=True)
+    assert torch.equal(out["w"].cpu(), torch.full((1024, 1024), 7.0))
+
+
+def test_loads_into_cuda_tensors_are_bit_exact_and_a_corrupt_item_never_reaches_its_destination(tmp_path):
+    """(h) Pinned, checked, then copied: odd dtypes and layouts, a CPU item beside them, and a corrupt shard."""
+    ckpt = dcpstore.AsyncCheckpointer(f"file://{tmp_path}/run")
+    sd = {
+        "big": torch.randn(3001, 1013, device="cuda"),
+        "bf16": torch.randn(333, 77, device="cuda").to(torch.bfloat16),
+        "scalar": torch.tensor(3.25, device="cuda"),
+        "cpu": torch.randn(1000),
+    }
+    ckpt.save(sd, step=1).result()
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    out["big"] = torch.zeros(1013, 3001, device="cuda").t()  # a destination that is not contiguous
+    ckpt.load(out, step=1)
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
+
+    ckpt.save({"big": sd["big"]}, step=2).result()
+    (shard,) = pathlib.Path(tmp_path, "run").glob("*2/**/*.distcp")
+    body = bytearray(shard.read_bytes())
+    body[len(body) // 2] ^= 0xFF  # inside the tensor's data
+    shard.write_bytes(bytes(body))
+    before = torch.full((3001, 1013), 7.0, device="cuda")
+    dest = {"big": before.clone()}
+    with pytest.raises(BaseException) as e:  # torch's CheckpointException around ours
+        ckpt.load(dest, step=2)
+    assert "its destination keeps its old contents" in str(e.value)
+    assert torch.equal(dest["big"], before)
     ckpt.close()
 
 

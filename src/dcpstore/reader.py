@@ -7,10 +7,12 @@ one request, not 3,000.  It keeps a bounded window of ranges in flight and
 hands items to the planner on the calling thread, because DCP planners are
 not required to be thread-safe.  Each fetched byte is copied once, from the
 socket's chunks to where it belongs (``scatter``): a tensor's data straight
-into its destination when that is a whole CPU tensor, else into a buffer of
-the item's own, from which ``tensor_archive`` reads it without another copy
-on its way to the destination.  Items recorded with a crc32 (see
-``planner_data``) are checked before they are deserialized.
+into its destination when that is a whole CPU tensor, else into the load's
+host memory (``load_buffers``, pinned for CUDA destinations), from which
+``tensor_archive`` reads it without another copy on its way to the
+destination (asynchronously to a GPU).  Items recorded with a crc32 (see
+``planner_data``) are checked before they are deserialized, and a buffered
+item before it reaches its destination.
 
 Nothing read from the bucket runs code here (see ``safe_pickle``): ``.metadata``
 is unpickled with an allow-list, every non-tensor item is validated with
@@ -24,6 +26,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import io
 import logging
 import os
@@ -55,7 +58,8 @@ from .errors import (
 )
 from .layout import METADATA_KEY
 from .safe_pickle import check_bytes_item, loads_metadata
-from .scatter import DestinationClaims, ItemLanding, RangeScatter
+from .load_buffers import LoadBuffers
+from .scatter import DestinationClaims, ItemLanding, RangeScatter, destination_bytes
 from .tensor_archive import load_tensor
 from .storage import ObjectStore, StoreOwner, TransferConfig, is_store_url
 
@@ -244,58 +248,88 @@ class ObjectStoreReader(StorageReader, StoreOwner):
 
         pending: collections.deque = collections.deque()
         claims = DestinationClaims()
+        # Room for the read-ahead window, and for two ranges at least so that one is read while one is copied out.
+        tensor_bytes = sum(info.length for r in ranges for info, reqs in r.items if reqs[0].type == LoadItemType.TENSOR)
+        widest = max((r.end - r.start for r in ranges), default=0)
+        buffers = LoadBuffers(min(tensor_bytes, max(self.readahead_bytes, 2 * widest)))
         in_flight = 0
         position = 0
+        prepared = None  # the next range's items, destinations resolved, waiting for host memory
         try:
             while position < len(ranges) or pending:
                 while position < len(ranges) and (not pending or in_flight < self.readahead_bytes):
                     r = ranges[position]
-                    items = [self._prepare(info, reqs, planner, claims) for info, reqs in r.items]
+                    if prepared is None:
+                        prepared = [self._prepare(info, reqs, planner, claims) for info, reqs in r.items]
+                    region = buffers.reserve(
+                        [info.length for info, _, _, buffered in prepared if buffered],
+                        next((t[0].device for _, _, t, buffered in prepared if buffered and t[0].is_cuda), None),
+                    )
+                    if region is None:  # the ring is full of ranges not yet delivered
+                        break
+                    landings = iter(region.buffers)
+                    items = [
+                        (info, reqs, targets, ItemLanding(info.length, None, next(landings)) if buffered else self._landing(info, reqs, targets))
+                        for info, reqs, targets, buffered in prepared
+                    ]
+                    prepared = None
                     sink = RangeScatter([(info.offset - r.start, landing) for info, _, _, landing in items])
-                    pending.append((r, items, sink, self.store.get_range_async(r.key, r.start, r.end, sink)))
+                    pending.append((r, items, region, sink, self.store.get_range_async(r.key, r.start, r.end, sink)))
                     in_flight += r.end - r.start
                     position += 1
-                r, items, _, fut = pending[0]
+                r, items, region, _, fut = pending[0]
                 fut.result()
                 pending.popleft()
                 in_flight -= r.end - r.start
                 for info, reqs, targets, landing in items:
-                    self._deliver(reqs, info, targets, landing, planner)
+                    self._deliver(reqs, info, targets, landing, planner, functools.partial(buffers.copy, region))
                     claims.release(targets)
+                region.delivered = True
         except BaseException:
             # Nothing may land in the caller's tensors once this has raised.
-            for _, _, sink, fut in pending:
+            for *_, sink, fut in pending:
                 sink.abort()
                 fut.cancel()
             concurrent.futures.wait([fut for *_, fut in pending])
             raise
+        finally:
+            buffers.close()
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
     def _prepare(self, info: _StorageInfo, reqs: list[ReadItem], planner: LoadPlanner, claims: DestinationClaims):
-        """``(info, reqs, targets, landing)`` for an item about to be fetched.
+        """``(info, reqs, targets, buffered)`` for an item about to be fetched.
 
         A tensor item's destinations are resolved now, before the fetch, so
         that a whole stored tensor read by one ``ReadItem`` with no stream
-        transforms can land in its destination as it arrives (``ItemLanding``
-        checks the tensor itself, ``scatter.destination_bytes``), unless
-        another item in flight writes the same memory (``DestinationClaims``).
+        transforms can land in its destination as it arrives (a whole CPU
+        tensor, ``scatter.destination_bytes``), unless another item in
+        flight writes the same memory (``DestinationClaims``).  Any other
+        tensor item is ``buffered``: it lands in the load's host memory
+        (``load_buffers``), pinned for a CUDA destination, and is checked
+        there before it is copied to its destinations.
         """
         if reqs[0].type != LoadItemType.TENSOR:
-            return info, reqs, None, ItemLanding(info.length)
+            return info, reqs, None, False
         targets = [planner.resolve_tensor(req).detach() for req in reqs]
         alone = claims.claim(targets)
         whole = len(reqs) == 1 and not info.transform_descriptors and not any(reqs[0].storage_offsets)
-        in_place = alone and whole and not self.verify_before_landing
-        return info, reqs, targets, ItemLanding(info.length, targets[0] if in_place else None)
+        in_place = alone and whole and not self.verify_before_landing and destination_bytes(targets[0]) is not None
+        return info, reqs, targets, not in_place
 
-    def _deliver(self, reqs: list[ReadItem], info: _StorageInfo, targets, landing: ItemLanding, planner: LoadPlanner) -> None:
+    @staticmethod
+    def _landing(info: _StorageInfo, reqs: list[ReadItem], targets) -> ItemLanding:
+        """Where an item that is not buffered lands: a tensor's data in its destination, anything else in a buffer of its own."""
+        return ItemLanding(info.length, targets[0] if targets else None)
+
+    def _deliver(self, reqs: list[ReadItem], info: _StorageInfo, targets, landing: ItemLanding, planner: LoadPlanner, copy) -> None:
+        """Check ``landing``'s bytes and hand them to the planner; ``copy(target, source)`` moves a tensor to its destination."""
         where = f"{self.store.url_for(info.relative_path)} (item {reqs[0].storage_index.fqn!r}, bytes {info.offset}+{info.length})"
         expected = self._checksums.get(reqs[0].storage_index)
         if expected is not None and landing.crc32() != expected:
             # Bytes damaged on the way are fetched once more; damaged in storage, they fail again.
-            landing = ItemLanding(info.length, landing.target)
+            landing = ItemLanding(info.length, landing.target, landing.buffer if landing.target is None else None)
             end = info.offset + info.length
             self.store.get_range_async(info.relative_path, info.offset, end, RangeScatter([(0, landing)])).result()
             if landing.crc32() != expected:
@@ -327,7 +361,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
                     f"{where}: shape {tuple(tensor.size())} in the checkpoint does not fit "
                     f"{tuple(target.size())} in the state dict"
                 )
-            target.copy_(tensor)
+            copy(target, tensor)
             planner.commit_tensor(req, target)
 
     @property

@@ -70,10 +70,12 @@ class ItemLanding:
 
     ``target`` is the tensor the reader resolved for the item before the
     fetch (``None`` for none); its data lands in it when ``destination_bytes``
-    allows, and the archive's head locates it within ``HEAD_BYTES``.
+    allows, and the archive's head locates it within ``HEAD_BYTES``.  Any
+    other item lands in ``buffer`` (``length`` writable bytes the reader
+    owns, see ``load_buffers``), or in a new ``bytearray``.
     """
 
-    def __init__(self, length: int, target: torch.Tensor | None = None):
+    def __init__(self, length: int, target: torch.Tensor | None = None, buffer: memoryview | None = None):
         self.length = length
         self.target = target
         self._destination = destination_bytes(target)
@@ -81,7 +83,9 @@ class ItemLanding:
             self._destination = None  # an item too short to hold the tensor
         self.head = bytearray()
         self.tail = bytearray()
-        self.buffer: bytearray | None = bytearray(length) if self._destination is None else None
+        self.buffer: bytearray | memoryview | None = None
+        if self._destination is None:
+            self.buffer = buffer if buffer is not None else bytearray(length)
         self.data_start: int | None = None
         self._early: list[tuple[int, memoryview]] = []
 
@@ -105,7 +109,7 @@ class ItemLanding:
             return zlib.crc32(self.buffer)
         return zlib.crc32(self.tail, zlib.crc32(self._destination, zlib.crc32(self.head)))
 
-    def leftover(self) -> bytes | bytearray | None:
+    def leftover(self) -> bytes | bytearray | memoryview | None:
         """``None`` when ``target`` holds the item's tensor as ``torch.load`` would read it; else the item's bytes.
 
         Called once every byte is there (and its crc32 checked): a landing

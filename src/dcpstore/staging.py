@@ -127,7 +127,7 @@ class StagedItems:
         )
 
 
-class _HostSlab:
+class HostSlab:
     """``nbytes`` of host memory in one allocation; ``pin`` registers exactly its pages with CUDA."""
 
     def __init__(self, nbytes: int):
@@ -154,6 +154,10 @@ class _HostSlab:
     def view(self, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         nbytes = _nbytes(shape, dtype)
         return self.tensor[offset : offset + nbytes].view(dtype).view(shape)
+
+    def bytes(self, offset: int, nbytes: int) -> memoryview:
+        """``nbytes`` at ``offset``, writable, for code that fills memory from Python (a socket's chunks)."""
+        return memoryview(self.tensor[offset : offset + nbytes].numpy())
 
     def release(self) -> None:
         if self._unpin is not None:
@@ -195,7 +199,7 @@ class StagingPool:
 
     def __init__(self, pin_memory: bool | None = None):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self._slab: _HostSlab | None = None
+        self._slab: HostSlab | None = None
         self._layout: dict[MetadataIndex, tuple[int, torch.Size, torch.dtype]] = {}
         self._views: dict[MetadataIndex, torch.Tensor] = {}  # of the slab, by the layout: made once, reused
         # Items the slab cannot hold (a quantized dtype, a planner's other shape): a buffer each, and whether pinned.
@@ -261,7 +265,7 @@ class StagingPool:
         if self._slab is None or self._slab.nbytes < end:
             if self._slab is not None:
                 self._slab.release()
-            self._slab = _HostSlab(end)
+            self._slab = HostSlab(end)
             self._views = {}
         elif layout != self._layout:
             self._views = {}

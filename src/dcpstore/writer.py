@@ -43,6 +43,7 @@ or reuses the compact form it computed for the same ``Metadata`` object
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import os
@@ -178,6 +179,34 @@ def _cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size() or not tensor.is_contiguous():
         tensor = tensor.clone(memory_format=torch.contiguous_format)
     return tensor
+
+
+def caller_streams() -> dict[int, "torch.cuda.Stream"]:
+    """The calling thread's current CUDA stream on each device that has a context.
+
+    ``dcp.save`` calls ``write_data`` on the training thread, but the items
+    are resolved and copied to host on upload threads, whose current stream
+    is each device's default stream: the work that produced a tensor on the
+    caller's stream (a non-default one, with kernels still queued) would not
+    be ordered before the copy.  A device without a primary context holds
+    none of the caller's tensors, and asking for its stream would create one.
+    """
+    if not torch.cuda.is_initialized():
+        return {}
+    return {
+        i: torch.cuda.current_stream(i)
+        for i in range(torch.cuda.device_count())
+        if torch._C._cuda_hasPrimaryContext(i)
+    }
+
+
+@contextlib.contextmanager
+def on_streams(streams: dict[int, "torch.cuda.Stream"]):
+    """Make ``streams`` (see ``caller_streams``) this thread's current ones, as they were on the caller's thread."""
+    with contextlib.ExitStack() as stack:
+        for stream in streams.values():
+            stack.enter_context(torch.cuda.stream(stream))
+        yield
 
 
 def write_items(
@@ -445,8 +474,10 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         # One budget for the save's throttling, shards and .metadata alike (see RetryPolicy).
         self.store.save_deadline = time.monotonic() + self.transfer.retry.throttle_budget
 
+        cuda_streams = caller_streams()
+
         def upload(name: str, items: list[WriteItem]) -> list[ChecksummedWriteResult]:
-            with self.store.open_writer(name) as stream:
+            with on_streams(cuda_streams), self.store.open_writer(name) as stream:
                 return write_items(stream, name, items, planner, self.transforms)
 
         if self._executor is None:
