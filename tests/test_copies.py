@@ -4,11 +4,14 @@ The guard for the storage layer's per-byte cost (each copy or pass is
 0.1-0.9 CPU s/GiB, see ``storage.body``, ``s3.client_config`` and
 ``tensor_archive.save_tensor``):
 
-* save: the bytes are copied once in Python land, into the part buffers
-  ``torch.save`` writes into; parts go to the socket as views of those
-  buffers (asyncio's transport copies at most what the kernel did not take
-  of a 256 KiB slice); no SHA-256 of the body (``UNSIGNED-PAYLOAD``); one
-  crc pass, dcpstore's (torch's zip crc fields are 0).
+* save: a tensor's bytes are not copied in Python land: ``torch.save``'s
+  write of its storage is lent to the part writer, and parts go to the
+  socket as views of that memory and of the part buffers the archive's
+  headers were copied into (asyncio's transport copies at most what the
+  kernel did not take of a 256 KiB slice); no SHA-256 of the body
+  (``UNSIGNED-PAYLOAD``); one crc pass, dcpstore's (torch's zip crc fields
+  are 0).  An async save copies each byte once, into its staging slab, and
+  sends it from there.
 * load: a tensor's bytes go from aiohttp's chunks straight into the
   destination tensor's memory (``scatter``), so nothing of an item's size is
   made on Python's heap; a destination that cannot take them as stored (not
@@ -34,6 +37,7 @@ import dcpstore
 from dcpstore import load_buffers, planner_data
 from dcpstore.staging import HostSlab
 from dcpstore.storage import TransferConfig
+from dcpstore.storage.multipart import MultipartObjectWriter
 
 from conftest import read_metadata_raw
 
@@ -57,6 +61,30 @@ class TransportCopies:
             counter.kept += max(0, transport.get_write_buffer_size() - before)
 
         monkeypatch.setattr(asyncio.selector_events._SelectorSocketTransport, "write", write)
+
+
+class WriterTally:
+    """Bytes the part writers copied into part buffers, and bytes lent to them (sent from where they lie), with their owners."""
+
+    def __init__(self, monkeypatch):
+        self.copied = self.lent = 0
+        self.owners = []
+        write, write_lent = MultipartObjectWriter.write, MultipartObjectWriter.write_lent
+        tally = self
+
+        def counting_write(writer, data):
+            n = write(writer, data)
+            tally.copied += n
+            return n
+
+        def counting_write_lent(writer, data, owner):
+            n = write_lent(writer, data, owner)
+            tally.lent += n
+            tally.owners.append(owner)
+            return n
+
+        monkeypatch.setattr(MultipartObjectWriter, "write", counting_write)
+        monkeypatch.setattr(MultipartObjectWriter, "write_lent", counting_write_lent)
 
 
 def peak_python_heap(fn) -> int:
@@ -88,15 +116,19 @@ def test_a_save_copies_each_byte_once_and_passes_over_it_once(bucket, s3, proxy,
     save("warm-up")  # the client, the connections
     # Straight to the server (the fault proxy's threads would be counted).
     transport = TransportCopies(monkeypatch)
+    tally = WriterTally(monkeypatch)
     peak = peak_python_heap(lambda: save("ckpt"))
+    stored = sum(x.numel() * x.element_size() for x in sd.values())
+    # The tensors' bytes were lent, from the state dict's own tensors; only headers were copied.
+    assert tally.lent == stored and tally.copied < 16 * 1024
+    assert {o.data_ptr() for o in tally.owners} == {x.data_ptr() for x in sd.values()}
     # No copy of a part was made on Python's heap: not a bytes() of a
     # buffer, not a join of headers and body, not a file read back into new
     # bytes.  What there is: the transports' leftovers of at most one 256 KiB
     # slice per part in flight, and the requests' own small objects.
     assert peak < 2 * MiB, f"{peak / MiB:.1f} MiB of Python heap during the save"
-    # Parts went to the socket from the buffers; the transport kept (copied)
-    # only what the kernel did not take at once.
-    stored = sum(x.numel() * x.element_size() for x in sd.values())
+    # Parts went to the socket from the tensors and buffers; the transport
+    # kept (copied) only what the kernel did not take at once.
     assert transport.handed >= stored
     assert transport.kept < stored / 2, f"the transport copied {transport.kept / MiB:.1f} of {stored / MiB:.0f} MiB"
 
@@ -114,6 +146,24 @@ def test_a_save_copies_each_byte_once_and_passes_over_it_once(bucket, s3, proxy,
         assert zlib.crc32(item) == crcs[index]
         assert {z.CRC for z in zipfile.ZipFile(io.BytesIO(item)).infolist()} == {0}
         assert torch.equal(torch.load(io.BytesIO(item), weights_only=True), sd[index.fqn])  # stock torch still loads it
+
+
+def test_an_async_save_copies_each_byte_once_into_staging_and_sends_it_from_there(bucket, monkeypatch):
+    sd = state_dict()
+    ckpt = dcpstore.AsyncCheckpointer(f"s3://{bucket}/run", transfer=TransferConfig(part_size=PART), objects_per_rank=1)
+    ckpt.save(sd, step=1).result()  # the client, the connections, the staging slab
+    tally = WriterTally(monkeypatch)
+    peak = peak_python_heap(lambda: ckpt.save(sd, step=2).result())
+    stored = sum(x.numel() * x.element_size() for x in sd.values())
+    slab = ckpt._pools[0]._slab.tensor
+    # Every tensor byte lent from the staging slab (not a clone of a view of it), only headers copied.
+    assert tally.lent == stored and tally.copied < 16 * 1024
+    assert all(slab.data_ptr() <= o.data_ptr() < slab.data_ptr() + slab.numel() for o in tally.owners)
+    assert peak < 2 * MiB, f"{peak / MiB:.1f} MiB of Python heap during the save"
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    ckpt.load(out, step=2)
+    ckpt.close()
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
 
 
 def save_and_open(bucket: str, size: int, **storage_options):

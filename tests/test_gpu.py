@@ -208,6 +208,18 @@ def test_loads_into_cuda_tensors_are_bit_exact_and_a_corrupt_item_never_reaches_
     ckpt.close()
 
 
+def test_a_load_reuses_pinned_memory_only_after_its_copies_ran(tmp_path):
+    """(h) The caller's stream held: every H2D copy waits behind it, so reusing a region too early would land wrong bytes."""
+    url = f"file://{tmp_path}/ring"
+    sd = {f"t{i}": torch.randn(512 * 1024, device="cuda") for i in range(16)}  # 2 MiB each
+    dcp.save(sd, storage_writer=dcpstore.ObjectStoreWriter(url), no_dist=True)
+    out = {k: torch.zeros_like(v) for k, v in sd.items()}
+    reader = dcpstore.ObjectStoreReader(url, readahead_bytes=1 << 20, transfer=dcpstore.TransferConfig(part_size=5 << 20))
+    torch.cuda._sleep(HOLD)  # on the current stream, which the load's side stream waits for
+    dcp.load(out, storage_reader=reader, no_dist=True)
+    assert all(torch.equal(out[k], v) for k, v in sd.items())
+
+
 def test_pinned_memory_is_exact_and_given_back(tmp_path):
     """Pinned bytes within 1.1x the staged bytes (not a power of two), flat over 5 saves with a shape change, 0 after close."""
     ckpt = dcpstore.AsyncCheckpointer(f"file://{tmp_path}/run")
@@ -234,6 +246,11 @@ ckpt.save({{"w": w}}, step=1).result()
 out = {{"w": torch.zeros(1000, 1000, device="cuda:1")}}
 ckpt.load(out, step=1)
 ckpt.close()
+assert torch.equal(out["w"], w)
+import torch.distributed.checkpoint as dcp
+dcp.save({{"w": w}}, storage_writer=dcpstore.ObjectStoreWriter("file://{tmp_path}/plain"), no_dist=True)
+out = {{"w": torch.zeros(1000, 1000, device="cuda:1")}}
+dcp.load(out, storage_reader=dcpstore.ObjectStoreReader("file://{tmp_path}/plain"), no_dist=True)
 assert torch.equal(out["w"], w)
 assert not torch._C._cuda_hasPrimaryContext(0), "a context was created on GPU 0"
 """

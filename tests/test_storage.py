@@ -55,6 +55,27 @@ def test_multipart_upload_streams_parts_and_reassembles(bucket, s3):
     assert store.get_range("big", 5 * MiB - 2, 5 * MiB + 2) == data[5 * MiB - 2 : 5 * MiB + 2]
 
 
+@pytest.mark.parametrize("total_parts", [0.5, 3.4], ids=["one-put", "multipart"])
+def test_lent_and_copied_writes_make_parts_of_pieces_across_boundaries(bucket, s3, total_parts):
+    """What a shard is: headers copied, a tensor's data lent (sent from its own memory), boundaries anywhere."""
+    store = open_store(f"s3://{bucket}/lend", transfer=SMALL_PARTS)
+    data = os.urandom(int(total_parts * 5 * MiB))
+    cuts = sorted({0, len(data), *(int(len(data) * f) for f in (0.01, 0.3, 0.3001, 0.62, 0.9))})
+    with store.open_writer("obj") as w:
+        for n, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+            piece = memoryview(data)[lo:hi]
+            if n % 2:
+                owner = bytearray(piece)  # the lent memory: what the writer must keep alive
+                assert w.write_lent(memoryview(owner), owner) == hi - lo
+                del owner
+            else:
+                assert w.write(piece) == hi - lo
+        assert w.tell() == len(data)
+    etag = s3.head_object(Bucket=bucket, Key="lend/obj")["ETag"].strip('"')
+    assert ("-" in etag) == (total_parts > 1)
+    assert store.get_range("obj", 0, len(data)) == data
+
+
 def test_small_object_uses_single_put(bucket, s3):
     store = open_store(f"s3://{bucket}/sp", transfer=SMALL_PARTS)
     with store.open_writer("small") as w:

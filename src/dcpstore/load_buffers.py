@@ -32,7 +32,8 @@ import torch
 from .staging import ALIGNMENT, HostSlab
 
 
-def _aligned(nbytes: int) -> int:
+def aligned(nbytes: int) -> int:
+    """The bytes ``nbytes`` take in the slab (each buffer starts ``ALIGNMENT``-aligned)."""
     return -(-nbytes // ALIGNMENT) * ALIGNMENT
 
 
@@ -81,7 +82,7 @@ class LoadBuffers:
         issued first.  ``device``: the CUDA device of a destination these
         buffers feed, whose context pins the slab.
         """
-        need = sum(_aligned(n) for n in sizes)
+        need = sum(aligned(n) for n in sizes)
         if need == 0:
             return Region(0, 0, [memoryview(b"")[:0] for _ in sizes], delivered=True)
         while True:
@@ -105,7 +106,7 @@ class LoadBuffers:
         buffers, at = [], start
         for n in sizes:
             buffers.append(self._slab.bytes(at, n))
-            at += _aligned(n)
+            at += aligned(n)
         region = Region(start, start + need, buffers)
         self._regions.append(region)
         return region
@@ -134,6 +135,7 @@ class LoadBuffers:
             side.wait_stream(current)
             with torch.cuda.stream(side):
                 target.copy_(source, non_blocking=True)
+            target.record_stream(side)  # a target the planner made on another stream stays until the copy ran
             copied = side.record_event(torch.cuda.Event(blocking=True))
             current.wait_event(copied)
         region.copies.append(copied)

@@ -58,7 +58,7 @@ from .errors import (
 )
 from .layout import METADATA_KEY
 from .safe_pickle import check_bytes_item, loads_metadata
-from .load_buffers import LoadBuffers
+from .load_buffers import LoadBuffers, aligned
 from .scatter import DestinationClaims, ItemLanding, RangeScatter, destination_bytes
 from .tensor_archive import load_tensor
 from .storage import ObjectStore, StoreOwner, TransferConfig, is_store_url
@@ -249,7 +249,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         pending: collections.deque = collections.deque()
         claims = DestinationClaims()
         # Room for the read-ahead window, and for two ranges at least so that one is read while one is copied out.
-        tensor_bytes = sum(info.length for r in ranges for info, reqs in r.items if reqs[0].type == LoadItemType.TENSOR)
+        tensor_bytes = sum(aligned(info.length) for r in ranges for info, reqs in r.items if reqs[0].type == LoadItemType.TENSOR)
         widest = max((r.end - r.start for r in ranges), default=0)
         buffers = LoadBuffers(min(tensor_bytes, max(self.readahead_bytes, 2 * widest)))
         in_flight = 0
@@ -291,9 +291,12 @@ class ObjectStoreReader(StorageReader, StoreOwner):
                 sink.abort()
                 fut.cancel()
             concurrent.futures.wait([fut for *_, fut in pending])
+            try:
+                buffers.close()
+            except Exception as e:  # noqa: BLE001 - a broken CUDA context, say: the first error is the one to raise
+                logger.warning("%s: could not release the load's host memory: %r", self.url, e)
             raise
-        finally:
-            buffers.close()
+        buffers.close()
         done: Future[None] = Future()
         done.set_result(None)
         return done

@@ -152,8 +152,11 @@ class HostSlab:
         self._unpin = weakref.finalize(self, _unpin, self.tensor.data_ptr(), device)
 
     def view(self, offset: int, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A tensor over ``offset`` whose storage is exactly its bytes, not the slab: ``torch.save`` writes only those."""
         nbytes = _nbytes(shape, dtype)
-        return self.tensor[offset : offset + nbytes].view(dtype).view(shape)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self.bytes(offset, nbytes), dtype=torch.uint8).view(dtype).view(shape)
 
     def bytes(self, offset: int, nbytes: int) -> memoryview:
         """``nbytes`` at ``offset``, writable, for code that fills memory from Python (a socket's chunks)."""

@@ -56,6 +56,7 @@ import zlib
 from collections import OrderedDict
 from typing import Any, Sequence
 
+import numpy
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._extension import StreamTransformExtension
@@ -78,7 +79,7 @@ from .commit import Outcome, write_metadata
 from .errors import CheckpointExistsError, CommitOutcomeUnknownError, DcpstoreError, ObjectNotFoundError
 from .layout import METADATA_KEY
 from .reader import parse_metadata
-from .staging import resolve_item
+from .staging import StagedItems, resolve_item
 from .tensor_archive import save_tensor
 from .storage import ObjectStore, ObjectWriter, StoreOwner, TransferConfig, is_store_url
 
@@ -137,7 +138,15 @@ class _Replaced:
 
 
 class _ChecksummingStream:
-    """Counts and checksums what ``torch.save`` writes, item by item.
+    """Counts and checksums what ``torch.save`` writes, item by item, and lends a tensor's bytes.
+
+    ``torch.save`` writes a tensor's storage in one ``write`` of a view of
+    its memory.  That tensor (``lend``) is not changed before the upload
+    ends: ``write_data`` returns only then, and ``AsyncCheckpointer``'s
+    staged memory is reused only by a later save.  So its bytes are lent to
+    the object writer (``ObjectWriter.write_lent``), which sends them from
+    where they lie instead of copying them into a part buffer; the headers
+    and records around them are copied.
 
     ``torch.save`` reports a failed ``write`` only as "unexpected pos", so
     the stream keeps the real error (a missing bucket, a refused upload) for
@@ -148,10 +157,17 @@ class _ChecksummingStream:
         self._inner = inner
         self.crc = 0
         self.error: BaseException | None = None
+        self._lent: torch.Tensor | None = None
+
+    def lend(self, tensor: torch.Tensor | None) -> None:
+        """The CPU tensor whose storage ``torch.save`` is about to write (owning exactly its bytes), or ``None``."""
+        self._lent = tensor
 
     def write(self, data) -> int:
         self.crc = zlib.crc32(data, self.crc)  # releases the GIL on large buffers
         try:
+            if self._lent is not None and _is_storage_of(data, self._lent):
+                return self._inner.write_lent(data, self._lent)
             return self._inner.write(data)
         except BaseException as e:
             self.error = e
@@ -165,6 +181,13 @@ class _ChecksummingStream:
 
     def flush(self) -> None:
         pass
+
+
+def _is_storage_of(data, tensor: torch.Tensor) -> bool:
+    """Whether ``data`` is a view of exactly ``tensor``'s memory (checked by length first: most writes are headers)."""
+    view = memoryview(data)
+    nbytes = tensor.numel() * tensor.element_size()
+    return nbytes > 0 and view.nbytes == nbytes and numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data == tensor.data_ptr()
 
 
 def _cpu_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -189,7 +212,7 @@ def caller_streams() -> dict[int, "torch.cuda.Stream"]:
     is each device's default stream: the work that produced a tensor on the
     caller's stream (a non-default one, with kernels still queued) would not
     be ordered before the copy.  A device without a primary context holds
-    none of the caller's tensors, and asking for its stream would create one.
+    none of the caller's tensors.
     """
     if not torch.cuda.is_initialized():
         return {}
@@ -202,9 +225,15 @@ def caller_streams() -> dict[int, "torch.cuda.Stream"]:
 
 @contextlib.contextmanager
 def on_streams(streams: dict[int, "torch.cuda.Stream"]):
-    """Make ``streams`` (see ``caller_streams``) this thread's current ones, as they were on the caller's thread."""
+    """Make ``streams`` (see ``caller_streams``) this thread's current ones, as they were on the caller's thread.
+
+    Each under its own device: a stream context entered elsewhere restores
+    the previous device's stream on exit, which sets that device and, on a
+    fresh thread (device 0), would create a context on GPU 0.
+    """
     with contextlib.ExitStack() as stack:
-        for stream in streams.values():
+        for index, stream in streams.items():
+            stack.enter_context(torch.cuda.device(index))
             stack.enter_context(torch.cuda.stream(stream))
         yield
 
@@ -233,7 +262,10 @@ def write_items(
             if item.type == WriteItemType.BYTE_IO:
                 transform_to.write(data.getbuffer())
             else:
-                save_tensor(_cpu_tensor(data), transform_to)
+                tensor = _cpu_tensor(data)
+                checked.lend(tensor)
+                save_tensor(tensor, transform_to)
+                checked.lend(None)
             transform_to.close()
         except Exception:
             if checked.error is not None:
@@ -474,7 +506,8 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         # One budget for the save's throttling, shards and .metadata alike (see RetryPolicy).
         self.store.save_deadline = time.monotonic() + self.transfer.retry.throttle_budget
 
-        cuda_streams = caller_streams()
+        # Staged items are host memory already; on the checkpointer's thread there is no caller's stream to follow.
+        cuda_streams = {} if isinstance(planner, StagedItems) else caller_streams()
 
         def upload(name: str, items: list[WriteItem]) -> list[ChecksummedWriteResult]:
             with on_streams(cuda_streams), self.store.open_writer(name) as stream:

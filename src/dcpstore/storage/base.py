@@ -372,6 +372,15 @@ class ObjectWriter:
     def write(self, data) -> int:
         raise NotImplementedError
 
+    def write_lent(self, data, owner: object) -> int:
+        """``write(data)``, where the caller keeps ``data``'s bytes unchanged until ``close()`` or ``abort()`` returns.
+
+        A writer may then send them from where they lie, with no copy;
+        ``owner`` is what keeps that memory alive (a tensor), held as long
+        as the bytes are.  By default they are copied like any others.
+        """
+        return self.write(data)
+
     def tell(self) -> int:
         raise NotImplementedError
 

@@ -88,8 +88,21 @@ class BufferSink:
         self.view[offset : offset + len(chunk)] = chunk
 
 
+class Segments:
+    """One request body held in several buffers end to end (a part's header bytes and a tensor's data), never joined."""
+
+    def __init__(self, views):
+        self.views = tuple(memoryview(v).cast("B") for v in views)
+        self.nbytes = sum(v.nbytes for v in self.views)
+
+
+def body_nbytes(body) -> int:
+    """The length of a request body: bytes-like, or ``Segments``."""
+    return body.nbytes if isinstance(body, Segments) else memoryview(body).nbytes
+
+
 class ViewBody(Payload):
-    """A request body over ``view``, sent without a copy in Python.
+    """A request body over ``views`` end to end, sent without a copy in Python.
 
     Its ``read``/``seek`` exist for botocore's type check and stream reset;
     dcpstore's client configuration (``s3.client_config``: no payload
@@ -98,12 +111,12 @@ class ViewBody(Payload):
 
     SLICE_BYTES = 1 << 18  # the most a loopback socket takes per send, about; larger slices copy more
 
-    def __init__(self, view: memoryview):
-        view = memoryview(view).cast("B")
-        super().__init__(view, content_type="application/octet-stream")
-        self._size = view.nbytes
+    def __init__(self, *views):
+        views = tuple(memoryview(v).cast("B") for v in views)
+        super().__init__(views, content_type="application/octet-stream")
+        self._size = sum(v.nbytes for v in views)
         # Not an io.IOBase itself: aiobotocore would wrap one in its chunked reader.
-        self._file = ViewFile(view)
+        self._file = ViewFile(*views)
 
     def __len__(self) -> int:  # botocore's Content-Length
         return self._size
@@ -118,24 +131,33 @@ class ViewBody(Payload):
         return self._file.tell()
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
-        return bytes(self._value).decode(encoding, errors)
+        return b"".join(self._value).decode(encoding, errors)
 
     async def write(self, writer) -> None:
         await self.write_with_length(writer, None)
 
+    def _slices(self, limit: int):
+        """The views' bytes, up to ``limit``, in slices of at most ``SLICE_BYTES``."""
+        for view in self._value:
+            view = view[:limit]
+            limit -= len(view)
+            for lo in range(0, len(view), self.SLICE_BYTES):
+                yield view[lo : lo + self.SLICE_BYTES]
+
     async def write_with_length(self, writer, content_length: int | None) -> None:
-        view = self._value if content_length is None else self._value[:content_length]
+        slices = self._slices(self._size if content_length is None else content_length)
         writer.send_headers()
         transport = writer.transport
         if transport is None:  # closed under us: aiohttp's own write raises the right error
-            await writer.write(view)
+            for piece in slices:
+                await writer.write(piece)
             return
         low, high = transport.get_write_buffer_limits()
         transport.set_write_buffer_limits(high=0, low=0)
         try:
-            for lo in range(0, len(view), self.SLICE_BYTES):
+            for piece in slices:
                 await writer.drain()  # returns once the transport's buffer is empty
-                await writer.write(view[lo : lo + self.SLICE_BYTES], drain=False)
+                await writer.write(piece, drain=False)
             await writer.drain()
         finally:
             if not transport.is_closing():

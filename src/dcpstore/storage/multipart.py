@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ObjectNotFoundError
 from .base import ObjectWriter, Tries
+from .body import Segments
 
 if TYPE_CHECKING:
     from .s3 import S3ObjectStore
@@ -83,20 +84,28 @@ def _unmap(buf: mmap.mmap) -> None:
 class MultipartObjectWriter(ObjectWriter):
     """Streams an object to S3 in parts while the producer keeps writing.
 
-    Bytes land in ``part_size`` buffers from the pool.  A full buffer is
-    uploaded as a part in the background (at most ``max_concurrency`` parts
-    in flight per connection, which is the backpressure that bounds host
-    memory).  Parts are sent as memoryviews of those buffers, so no per-part
-    copy is made.  An object that never fills one part goes up as a single
-    PUT.  Any failure aborts the multipart upload, so no orphaned parts
-    remain.
+    Bytes written are copied into ``part_size`` buffers from the pool; bytes
+    lent (``write_lent``: a tensor's data, which its owner keeps unchanged
+    until the object is closed) are not copied at all: a part is the
+    sequence of pieces that fill it, views of part buffers and of lent
+    memory, sent one after the other as one body (``body.Segments``).  A
+    full part is uploaded in the background (at most ``max_concurrency``
+    parts in flight per connection, which is the backpressure that bounds
+    host memory) and takes the part buffer it used with it, back to the pool
+    when it is done, along with its hold on lent memory.  An object that
+    never fills one part goes up as a single PUT.  Any failure aborts the
+    multipart upload, so no orphaned parts remain.
     """
 
     def __init__(self, store: S3ObjectStore, key: str, parts: PartBufferPool):
         self._store, self._key, self._pool = store, key, parts
         self._bucket, self._path = store._split(key)
         self._buf: mmap.mmap | None = None
-        self._fill = 0
+        self._fill = 0  # bytes of _buf written
+        self._sealed = 0  # of those, bytes already among the pieces
+        self._pieces: list[memoryview] = []  # the next part's bytes, in order, but for _buf[_sealed:_fill]
+        self._owners: list[object] = []  # what keeps the lent pieces alive
+        self._pending = 0  # bytes of the next part: the pieces and _buf[_sealed:_fill]
         self._pos = 0
         self._upload_id: str | None = None
         self._parts: list[concurrent.futures.Future] = []
@@ -109,12 +118,29 @@ class MultipartObjectWriter(ObjectWriter):
         while written < len(view):
             if self._buf is None:
                 self._buf = self._pool.take()
-                self._fill = 0
-            n = min(size - self._fill, len(view) - written)
+                self._fill = self._sealed = 0
+            n = min(size - self._pending, len(view) - written)
             self._buf[self._fill : self._fill + n] = view[written : written + n]
             self._fill += n
+            self._pending += n
             written += n
-            if self._fill == size:
+            if self._pending == size:
+                self._flush_part()
+        self._pos += written
+        return written
+
+    def write_lent(self, data, owner: object) -> int:
+        view = memoryview(data).cast("B")
+        size = self._pool.part_size
+        written = 0
+        while written < len(view):
+            self._seal()
+            n = min(size - self._pending, len(view) - written)
+            self._pieces.append(view[written : written + n])
+            self._owners.append(owner)
+            self._pending += n
+            written += n
+            if self._pending == size:
                 self._flush_part()
         self._pos += written
         return written
@@ -122,11 +148,25 @@ class MultipartObjectWriter(ObjectWriter):
     def tell(self) -> int:
         return self._pos
 
+    def _seal(self) -> None:
+        """Make the bytes copied into the part buffer since the last piece a piece of their own."""
+        if self._buf is not None and self._fill > self._sealed:
+            self._pieces.append(memoryview(self._buf)[self._sealed : self._fill])
+            self._sealed = self._fill
+
+    def _take_part(self):
+        """The next part's body, and the part buffer and owners it holds, which the writer lets go of."""
+        self._seal()
+        pieces, owners, buf = self._pieces, self._owners, self._buf
+        self._pieces, self._owners, self._pending = [], [], 0
+        self._buf, self._fill, self._sealed = None, 0, 0
+        body = pieces[0] if len(pieces) == 1 else Segments(pieces)
+        return body, buf, owners
+
     def _flush_part(self) -> None:
         if self._upload_id is None:
             self._upload_id = self._store._run(self._create_upload())
-        buf, fill = self._buf, self._fill
-        self._buf, self._fill = None, 0
+        body, buf, owners = self._take_part()
         number = len(self._parts) + 1
         self._pool.in_flight.acquire()
         fut = self._store._submit(
@@ -138,13 +178,15 @@ class MultipartObjectWriter(ObjectWriter):
                 Key=self._path,
                 UploadId=self._upload_id,
                 PartNumber=number,
-                body=memoryview(buf)[:fill],
+                body=body,
             )
         )
 
-        def release(_f, buf=buf):
+        def release(_f, buf=buf, owners=owners):
             self._pool.in_flight.release()
-            self._pool.give_back(buf)
+            if buf is not None:
+                self._pool.give_back(buf)
+            owners.clear()
 
         fut.add_done_callback(release)
         self._parts.append(fut)
@@ -158,14 +200,16 @@ class MultipartObjectWriter(ObjectWriter):
             return
         self._closed = True
         try:
-            if self._upload_id is None:
-                body = memoryview(self._buf)[: self._fill] if self._buf is not None else b""
+            if self._upload_id is None and (len(self._pieces) == 0 or self._pending <= self._store.transfer.multipart_threshold):
+                body, buf, owners = self._take_part() if self._pending else (b"", None, [])
                 try:
                     self._store.put(self._key, body)
                 finally:
-                    self._release_current()
+                    if buf is not None:
+                        self._pool.give_back(buf)
+                    owners.clear()
                 return
-            if self._fill:
+            if self._pending:
                 self._flush_part()
             etags = [f.result()["ETag"] for f in self._parts]
             self._store._run(self._complete_upload(etags))
@@ -227,6 +271,7 @@ class MultipartObjectWriter(ObjectWriter):
             raise
 
     def _release_current(self) -> None:
+        self._pieces, self._owners, self._pending = [], [], 0
         if self._buf is not None:
             self._pool.give_back(self._buf)
             self._buf = None

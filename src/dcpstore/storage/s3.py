@@ -41,7 +41,7 @@ from .base import (
     refuse_unless_condition_holds,
     url_to_fs,
 )
-from .body import BufferSink, ViewBody
+from .body import BufferSink, Segments, ViewBody, body_nbytes
 from .config import TransferConfig
 from .multipart import MultipartObjectWriter, put_in_parts
 from .throttle import RATES, RequestRate, key_range
@@ -316,7 +316,7 @@ class S3ObjectStore(ObjectStore):
     def _send_deadline(self, body) -> float:
         """Seconds a request that sends ``body`` may take in all (see ``TransferConfig.min_send_rate``)."""
         t = self.transfer
-        return t.connect_timeout + t.read_timeout + memoryview(body).nbytes / t.min_send_rate
+        return t.connect_timeout + t.read_timeout + body_nbytes(body) / t.min_send_rate
 
     def _run(self, coro):
         return self._submit(coro).result()
@@ -352,7 +352,7 @@ class S3ObjectStore(ObjectStore):
             conditions["IfNoneMatch"] = "*"
         if if_match:
             conditions["IfMatch"] = if_match
-        in_parts = memoryview(data).nbytes > self.transfer.multipart_threshold
+        in_parts = body_nbytes(data) > self.transfer.multipart_threshold
         if conditions or in_parts:
             request = {**request, "Metadata": {**request.get("Metadata", {}), WRITE_TOKEN_KEY: uuid.uuid4().hex}}
         if in_parts:
@@ -646,4 +646,6 @@ class ShortBodyError(ConnectionError):
 def _as_body(data) -> bytes | bytearray | ViewBody:
     if isinstance(data, (bytes, bytearray)):
         return data
+    if isinstance(data, Segments):
+        return ViewBody(*data.views)
     return ViewBody(memoryview(data))
