@@ -1,19 +1,17 @@
 """Where a load's CPU goes: dcpstore's ``dcp.load`` of a state dict from a moto server, sampled by py-spy.
 
-    py-spy record --format raw --rate 250 --threads --idle -o load.txt -- \\
-        python -m benchmarks.load_profile --size-mib 1024 --loads 3
-    python -m benchmarks.load_profile --summarize load.txt
+    python -m benchmarks.load_profile --size-mib 1024 --loads 3 --py-spy load.txt
 
-The first command saves the state dict once, loads it once to warm the
-client, then loads it ``--loads`` times into preallocated CPU tensors (the
-page cache and the destinations warm, as ``benchmarks.run`` measures loads)
-and prints the process's CPU seconds per GiB over those loads (``getrusage``;
-the server is another process).  py-spy samples every thread.  The second
-sums the samples of the metered loads (those under ``measured_loads``) into
-the stages ``docs/performance.md`` accounts for, by the innermost frame that
-names one, as CPU seconds per GiB.  A sample of a thread that is waiting
-(py-spy's ``--idle``: the event loop in ``select``, a worker on a lock) is
-not CPU and is left out.
+Saves the state dict once, loads it once to warm the client, then loads it
+``--loads`` times into preallocated CPU tensors (the destinations and the
+connections warm, as ``benchmarks.run`` measures loads) and prints the
+process's CPU seconds per GiB over those loads (``getrusage``; the server is
+another process), and per thread (``/proc``).  With ``--py-spy``, py-spy (``pip install py-spy``; it
+needs to read this process's memory) samples every thread of this process
+during exactly those loads, only while a thread is on a CPU, and the samples
+are summed into the stages ``docs/performance.md`` accounts for, by the
+innermost frame that names one, as shares of the measured CPU seconds per
+GiB.  ``--summarize FILE --cpu-s-per-gib X`` sums an earlier profile again.
 """
 
 from __future__ import annotations
@@ -22,24 +20,41 @@ import argparse
 import collections
 import os
 import resource
+import signal
+import subprocess
 import sys
+import threading
 import time
 import warnings
 
 MiB, GiB = 1 << 20, 1 << 30
 
-# Innermost frame first: the first stage whose pattern a sample's stack contains, leaf to root.
+# Per sample, from the innermost frame out, the first stage one of whose patterns the frame contains.
 STAGES = (
-    ("socket receive (kernel copy into aiohttp's chunks)", ("recv_into", "sock_recv", "_read_ready", "recv (")),
     ("crc32 of each item", ("crc32",)),
-    ("copy into the destination (scatter)", ("_place", "RangeScatter.write", "ItemLanding.write", "_read_head")),
-    ("aiohttp response parsing and body stream", ("aiohttp",)),
-    ("botocore/aiobotocore request building and signing", ("botocore",)),
-    ("asyncio event loop", ("asyncio", "selectors")),
-    ("tensor archive checks (holds_in_place, locate_data)", ("tensor_archive",)),
-    ("DCP planning and metadata", ("torch/distributed/checkpoint",)),
+    ("copy into the destination (scatter)", ("ItemLanding._place", "ItemLanding.write", "ItemLanding._read_head", "RangeScatter.write")),
+    ("socket receive into aiohttp's buffers", ("_read_ready", "SocketIO.readinto", "recv")),
+    ("aiohttp response parsing and body stream", ("aiohttp/",)),
+    ("botocore/aiobotocore request building and signing", ("botocore/",)),
+    ("asyncio event loop and thread hand-offs", ("asyncio/", "concurrent/futures", "threading.py")),
+    ("tensor archive checks (holds_in_place, locate_data)", ("tensor_archive.py",)),
+    ("DCP planning and metadata", ("torch/distributed/checkpoint", "safe_pickle.py", "planner_data.py")),
 )
-IDLE = ("select (", "epoll", "wait (threading", "_wait_for_tstate_lock", "acquire (", "sleep (", "poll (")
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of each live thread of this process, by thread name, from ``/proc`` (Linux)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = collections.Counter()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except FileNotFoundError:  # ended meanwhile
+            continue
+        out[names.get(int(tid), "other threads")] += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
 
 
 def measured_loads(sd, url, loads: int) -> float:
@@ -48,7 +63,9 @@ def measured_loads(sd, url, loads: int) -> float:
 
     import dcpstore
 
-    dest = {k: v.clone() for k, v in sd.items()}
+    from benchmarks.run import blank_like
+
+    dest = blank_like(sd)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     before = usage.ru_utime + usage.ru_stime
     for _ in range(loads):
@@ -57,12 +74,12 @@ def measured_loads(sd, url, loads: int) -> float:
     return usage.ru_utime + usage.ru_stime - before
 
 
-def run(size_mib: int, loads: int) -> int:
+def run(size_mib: int, loads: int, py_spy: str | None) -> int:
     import boto3
     import torch.distributed.checkpoint as dcp
 
     import dcpstore
-    from benchmarks.run import make_state_dict
+    from benchmarks.run import make_state_dict, nbytes
     from dcpstore.local_s3 import TEST_CREDENTIALS, MotoServer
 
     warnings.simplefilter("ignore")
@@ -75,38 +92,53 @@ def run(size_mib: int, loads: int) -> int:
         url = "s3://profile/ckpt"
         dcp.save(sd, storage_writer=dcpstore.ObjectStoreWriter(url), no_dist=True)
         measured_loads(sd, url, 1)  # the client, the connections
-        t0 = time.perf_counter()
+        sampler = _start_py_spy(py_spy) if py_spy else None
+        t0, threads = time.perf_counter(), thread_cpu()
         cpu = measured_loads(sd, url, loads)
-        wall = time.perf_counter() - t0
-        size = sum(v.numel() * v.element_size() for v in sd.values()) * loads / GiB
+        wall, threads = time.perf_counter() - t0, collections.Counter(thread_cpu()) - collections.Counter(threads)
+        if sampler is not None:
+            sampler.send_signal(signal.SIGINT)
+            sampler.wait(timeout=120)
+        size = nbytes(sd) * loads / GiB
         print(f"{loads} loads of {size_mib} MiB: {cpu / size:.2f} CPU s/GiB, {wall / size:.2f} wall s/GiB")
+        for name, seconds in sorted(threads.items(), key=lambda kv: -kv[1]):
+            print(f"  thread {name}: {seconds / size:.2f} CPU s/GiB")
     finally:
         server.stop()
+    if py_spy:
+        summarize(py_spy, cpu / size)
     return 0
 
 
-def summarize(path: str, gib: float | None) -> int:
-    """Sum py-spy's raw (collapsed) samples of the metered loads into ``STAGES``."""
+def _start_py_spy(path: str) -> subprocess.Popen:
+    """py-spy recording this process, every thread, while on a CPU; returns once its first sample is written."""
+    proc = subprocess.Popen(
+        ["py-spy", "record", "--pid", str(os.getpid()), "--threads", "--rate", "250", "--format", "raw", "-o", path],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    for line in proc.stdout:  # "Sampling process 250 times a second. Press Control-C to exit."
+        if "Sampling process" in line:
+            return proc
+    raise RuntimeError(f"py-spy could not sample this process (exit {proc.wait()})")
+
+
+def summarize(path: str, cpu_s_per_gib: float | None) -> int:
+    """Sum py-spy's raw (collapsed) samples into ``STAGES``, as shares of ``cpu_s_per_gib``."""
     per_stage: collections.Counter = collections.Counter()
     total = 0
     with open(path) as f:
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
-            if "measured_loads" not in stack:
-                continue
-            frames = stack.split(";")
-            if any(pattern in frames[-1] for pattern in IDLE):
-                continue
             total += int(count)
-            for frame in reversed(frames):
+            for frame in reversed(stack.split(";")):
                 stage = next((name for name, patterns in STAGES if any(p in frame for p in patterns)), None)
                 if stage is not None:
                     break
-            per_stage[stage or "other (Python glue: reader loop, futures, threads)"] += int(count)
-    print(f"{total} CPU samples in the metered loads")
+            per_stage[stage or "other (the reader's loop, Python glue)"] += int(count)
+    print(f"{total} samples on a CPU during the measured loads")
     for stage, count in per_stage.most_common():
         share = count / total
-        extra = f"  {share * gib:.2f} CPU s/GiB" if gib else ""
+        extra = f"  {share * cpu_s_per_gib:.2f} CPU s/GiB" if cpu_s_per_gib else ""
         print(f"{share:6.1%}  {stage}{extra}")
     return 0
 
@@ -115,12 +147,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--loads", type=int, default=3)
-    parser.add_argument("--summarize", metavar="PY_SPY_RAW", help="summarize a py-spy --format raw profile")
+    parser.add_argument("--py-spy", metavar="OUT", help="sample the measured loads with py-spy into OUT (raw format)")
+    parser.add_argument("--summarize", metavar="PY_SPY_RAW", help="summarize an earlier profile")
     parser.add_argument("--cpu-s-per-gib", type=float, help="with --summarize: the measured total, to split")
     args = parser.parse_args(argv)
     if args.summarize:
         return summarize(args.summarize, args.cpu_s_per_gib)
-    return run(args.size_mib, args.loads)
+    return run(args.size_mib, args.loads, args.py_spy)
 
 
 if __name__ == "__main__":
