@@ -101,12 +101,16 @@ def run(size_mib: int, loads: int, py_spy: str | None) -> int:
             sampler.wait(timeout=120)
         size = nbytes(sd) * loads / GiB
         print(f"{loads} loads of {size_mib} MiB: {cpu / size:.2f} CPU s/GiB, {wall / size:.2f} wall s/GiB")
-        for name, seconds in sorted(threads.items(), key=lambda kv: -kv[1]):
-            print(f"  thread {name}: {seconds / size:.2f} CPU s/GiB")
+        threads = {name: seconds / size for name, seconds in threads.items()}
+        for name, value in sorted(threads.items(), key=lambda kv: -kv[1]):
+            print(f"  thread {name}: {value:.2f} CPU s/GiB")
     finally:
         server.stop()
     if py_spy:
-        summarize(py_spy, cpu / size)
+        summarize(py_spy, cpu / size, threads)
+    reference = reference_costs()
+    print(f"for reference, on this machine: one crc32 pass {reference['crc32']:.2f} CPU s/GiB, "
+          f"one copy into a reused buffer {reference['copy']:.2f} CPU s/GiB")
     return 0
 
 
@@ -122,25 +126,55 @@ def _start_py_spy(path: str) -> subprocess.Popen:
     raise RuntimeError(f"py-spy could not sample this process (exit {proc.wait()})")
 
 
-def summarize(path: str, cpu_s_per_gib: float | None) -> int:
-    """Sum py-spy's raw (collapsed) samples into ``STAGES``, as shares of ``cpu_s_per_gib``."""
-    per_stage: collections.Counter = collections.Counter()
-    total = 0
+def summarize(path: str, cpu_s_per_gib: float | None, threads: dict[str, float] | None = None) -> int:
+    """Sum py-spy's raw (collapsed) samples into ``STAGES``, as shares of ``cpu_s_per_gib``.
+
+    py-spy counts a thread as on a CPU while it waits for the GIL or returns
+    from a wait, so its sample counts overstate threads that mostly wait (the
+    default executor's worker, the event loop in ``select``).  With
+    ``threads`` (each thread's CPU seconds per GiB, from ``/proc``), each
+    thread's measured CPU is split by its own samples instead.
+    """
+    per_thread: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     with open(path) as f:
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
-            total += int(count)
-            for frame in reversed(stack.split(";")):
+            frames = stack.split(";")
+            thread = frames[0].partition(": ")[2] or "other threads"
+            for frame in reversed(frames):
                 stage = next((name for name, patterns in STAGES if any(p in frame for p in patterns)), None)
                 if stage is not None:
                     break
-            per_stage[stage or "other (the reader's loop, Python glue)"] += int(count)
-    print(f"{total} samples on a CPU during the measured loads")
-    for stage, count in per_stage.most_common():
-        share = count / total
-        extra = f"  {share * cpu_s_per_gib:.2f} CPU s/GiB" if cpu_s_per_gib else ""
-        print(f"{share:6.1%}  {stage}{extra}")
+            per_thread[thread][stage or "other (the reader's loop, Python glue)"] += int(count)
+    per_stage: collections.Counter = collections.Counter()
+    for thread, stages in per_thread.items():
+        samples = sum(stages.values())
+        weight = threads.get(thread, 0.0) / samples if threads is not None else (cpu_s_per_gib or 0.0) / max(1, sum(sum(c.values()) for c in per_thread.values()))
+        for stage, count in stages.items():
+            per_stage[stage] += count * weight
+    total = sum(per_stage.values()) or 1.0
+    how = "each thread's /proc CPU split by its samples" if threads is not None else "all samples alike"
+    print(f"CPU s/GiB by stage ({how}):")
+    for stage, value in per_stage.most_common():
+        print(f"{value / total:6.1%}  {value:5.2f}  {stage}")
     return 0
+
+
+def reference_costs() -> dict[str, float]:
+    """This machine's CPU seconds per GiB for one crc32 pass and one copy into a reused buffer: the per-byte work a load cannot skip."""
+    import zlib
+
+    import torch
+
+    src, dst = torch.ones(GiB, dtype=torch.uint8), torch.empty(GiB, dtype=torch.uint8)
+    dst.copy_(src)  # pages in
+    view = memoryview(src.numpy())
+    out = {}
+    for name, work in (("crc32", lambda: zlib.crc32(view)), ("copy", lambda: dst.copy_(src))):
+        t0 = time.process_time()  # every thread: torch's copy runs on its intra-op threads
+        work()
+        out[name] = time.process_time() - t0
+    return out
 
 
 def main(argv=None) -> int:
