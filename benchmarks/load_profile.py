@@ -6,7 +6,7 @@ Saves the state dict once, loads it once to warm the client, then loads it
 ``--loads`` times into preallocated CPU tensors (the destinations and the
 connections warm, as ``benchmarks.run`` measures loads) and prints the
 process's CPU seconds per GiB over those loads (``getrusage``; the server is
-another process), and per thread (``/proc``).  With ``--py-spy``, py-spy (``pip install py-spy``; it
+another process), and per thread (``/proc``).  With ``--py-spy``, py-spy (in the ``bench`` extra; it
 needs to read this process's memory) samples every thread of this process
 during exactly those loads, only while a thread is on a CPU, and the samples
 are summed into the stages ``docs/performance.md`` accounts for, by the
