@@ -108,7 +108,7 @@ def run(size_mib: int, loads: int, py_spy: str | None) -> int:
         server.stop()
     if py_spy:
         summarize(py_spy, cpu / size, threads)
-    reference = reference_costs()
+    reference = reference_costs(max(64 * MiB, size_mib * MiB))
     print(f"for reference, on this machine: one crc32 pass {reference['crc32']:.2f} CPU s/GiB, "
           f"one copy into a reused buffer {reference['copy']:.2f} CPU s/GiB")
     return 0
@@ -160,20 +160,20 @@ def summarize(path: str, cpu_s_per_gib: float | None, threads: dict[str, float] 
     return 0
 
 
-def reference_costs() -> dict[str, float]:
-    """This machine's CPU seconds per GiB for one crc32 pass and one copy into a reused buffer: the per-byte work a load cannot skip."""
+def reference_costs(nbytes: int) -> dict[str, float]:
+    """This machine's CPU seconds per GiB for one crc32 pass and one copy into a reused buffer, over ``nbytes``."""
     import zlib
 
     import torch
 
-    src, dst = torch.ones(GiB, dtype=torch.uint8), torch.empty(GiB, dtype=torch.uint8)
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
     dst.copy_(src)  # pages in
     view = memoryview(src.numpy())
     out = {}
     for name, work in (("crc32", lambda: zlib.crc32(view)), ("copy", lambda: dst.copy_(src))):
         t0 = time.process_time()  # every thread: torch's copy runs on its intra-op threads
         work()
-        out[name] = time.process_time() - t0
+        out[name] = (time.process_time() - t0) * GiB / nbytes
     return out
 
 

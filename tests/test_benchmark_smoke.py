@@ -52,3 +52,27 @@ def test_benchmark_harness_against_an_external_server(tmp_path, rgw_gateway):
         assert summary[name]["commit_s"] > 0 and summary[name]["load_s"] > 0, name
     for name, row in summary.items():  # s3torchconnector, when installed, fails on RGW: recorded, not fatal
         assert ("error" in row and f"{name}  " in out.stdout and "failed: " in out.stdout) or row["commit_s"] > 0, name
+
+
+def test_load_profile_measures_threads_and_splits_samples_by_stage(tmp_path):
+    """Without py-spy: the loads, their CPU per thread, the reference costs; then a profile summed by stage."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.load_profile", "--size-mib", "4", "--loads", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "1 loads of 4 MiB:" in out.stdout and "thread MainThread:" in out.stdout and "one crc32 pass" in out.stdout
+    raw = tmp_path / "load.txt"
+    raw.write_text(
+        "thread (1): MainThread;measured_loads (x.py:1);ItemLanding.crc32 (dcpstore/scatter.py:110) 30\n"
+        "thread (2): fsspecIO;_run_once (asyncio/base_events.py:1);ItemLanding._place (dcpstore/scatter.py:166) 10\n"
+        "thread (2): fsspecIO;_run_once (asyncio/base_events.py:1906) 10\n"
+    )
+    printed = subprocess.run(
+        [sys.executable, "-c", f"from benchmarks.load_profile import summarize; summarize({str(raw)!r}, None, {{'MainThread': 1.0, 'fsspecIO': 2.0}})"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    ).stdout
+    # Each thread's CPU split by its own samples: fsspecIO's 2.0 half to the scatter copy, half to the loop.
+    assert "1.00  crc32 of each item" in printed
+    assert "1.00  copy into the destination (scatter)" in printed
+    assert "1.00  asyncio event loop" in printed
