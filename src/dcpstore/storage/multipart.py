@@ -86,7 +86,8 @@ class MultipartObjectWriter(ObjectWriter):
 
     Bytes written are copied into ``part_size`` buffers from the pool; bytes
     lent (``write_lent``: a tensor's data, which its owner keeps unchanged
-    until the object is closed) are not copied at all: a part is the
+    until the object is closed) are not copied at all, unless there are
+    fewer than ``LEND_MIN_BYTES`` of them: a part is the
     sequence of pieces that fill it, views of part buffers and of lent
     memory, sent one after the other as one body (``body.Segments``).  A
     full part is uploaded in the background (at most ``max_concurrency``
@@ -96,6 +97,10 @@ class MultipartObjectWriter(ObjectWriter):
     never fills one part goes up as a single PUT.  Any failure aborts the
     multipart upload, so no orphaned parts remain.
     """
+
+    #: Lent bytes fewer than this are copied: a piece of its own costs its body a
+    #: socket write and a drain, more than copying a small tensor (ViewBody.SLICE_BYTES).
+    LEND_MIN_BYTES = 256 << 10
 
     def __init__(self, store: S3ObjectStore, key: str, parts: PartBufferPool):
         self._store, self._key, self._pool = store, key, parts
@@ -131,6 +136,8 @@ class MultipartObjectWriter(ObjectWriter):
 
     def write_lent(self, data, owner: object) -> int:
         view = memoryview(data).cast("B")
+        if len(view) < self.LEND_MIN_BYTES:
+            return self.write(view)
         size = self._pool.part_size
         written = 0
         while written < len(view):
