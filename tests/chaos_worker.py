@@ -26,6 +26,7 @@ TRANSFER = dcpstore.TransferConfig(
     max_concurrency=4,
     connect_timeout=5,
     read_timeout=4,
+    min_send_rate=16 << 20,  # the largest single .metadata PUT counts 4 s in a dead coordinator's landing time
     retry=dcpstore.RetryPolicy(max_attempts=5, initial_backoff=0.05, max_backoff=0.5),
 )
 

@@ -37,6 +37,7 @@ class Rule:
     truncate: bool = False  # forward, then send only half the response body
     short: bool = False  # forward, then answer with half the body under a Content-Length that says so
     corrupt: bool = False  # forward, then flip every bit of the body's middle byte (damage in transit)
+    lands_after: float | None = None  # with status: answer at once, and forward the request this many seconds later
     after: int = 0  # let this many matching requests through first (fail the Nth attempt)
     times: int | None = None  # apply this many times, then stop (None: always)
     seen: int = 0  # matching requests so far
@@ -154,6 +155,7 @@ class FaultProxy:
         self.rules: list[Rule] = []
         self.requests: list[tuple[str, str]] = []
         self.headers: list[tuple[str, str, dict[str, str]]] = []  # (method, path, request headers)
+        self.landed: list[tuple[str, str, int]] = []  # (method, path, status) of each request the server answered
         self.throttle: ThrottleModel | None = None  # S3's rate limit, applied to requests no rule faults
         # Enforce If-Match on CompleteMultipartUpload as AWS does (moto 5.2 ignores it there).
         self.if_match_on_completion = False
@@ -202,6 +204,12 @@ class FaultProxy:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
                     return
+                if rule is not None and rule.status and rule.lands_after is not None:
+                    # A gateway's error answer to a request the store behind it completes later.
+                    headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+                    later = threading.Timer(rule.lands_after, proxy._forward, (self.command, self.path, body, headers))
+                    later.daemon = True
+                    later.start()
                 if rule is not None and rule.status:
                     payload = (
                         f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{rule.code}</Code>"
@@ -214,13 +222,8 @@ class FaultProxy:
                     if self.command != "HEAD":  # a HEAD answer has no body
                         self.wfile.write(payload)
                     return
-                conn = http.client.HTTPConnection(proxy.upstream, timeout=60)
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
-                headers["Content-Length"] = str(len(body))
-                conn.request(self.command, self.path, body=body, headers=headers)
-                resp = conn.getresponse()
-                data = resp.read()
-                conn.close()
+                resp, data = proxy._forward(self.command, self.path, body, headers)
                 if rule is not None and rule.drop_response:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
@@ -251,6 +254,16 @@ class FaultProxy:
         self._server.daemon_threads = True
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def _forward(self, method: str, path: str, body: bytes, headers: dict[str, str]):
+        """Send a request on to the server: its response and body."""
+        conn = http.client.HTTPConnection(self.upstream, timeout=60)
+        conn.request(method, path, body=body, headers={**headers, "Content-Length": str(len(body))})
+        resp = conn.getresponse()
+        data = resp.read()
+        conn.close()
+        self.landed.append((method, path, resp.status))
+        return resp, data
 
     def add(self, method: str, pattern: str, **kwargs) -> Rule:
         rule = Rule(method=method, pattern=re.compile(pattern), **kwargs)
@@ -284,6 +297,7 @@ class FaultProxy:
             self.rules.clear()
             self.requests.clear()
             self.headers.clear()
+            self.landed.clear()
 
     def _match(self, method: str, path: str) -> Rule | None:
         with self._lock:

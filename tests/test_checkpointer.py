@@ -14,6 +14,7 @@ from workers import (
     checkpointer_load_errors,
     checkpointer_plan_changes_on_one_rank,
     checkpointer_resume,
+    checkpointer_resume_logged,
     checkpointer_returns_before_upload,
     checkpointer_save_steps,
     checkpointer_three_saves,
@@ -84,12 +85,21 @@ def test_resume_reuses_persisted_plans_and_falls_back_on_change(world_size, buck
         assert reused
         assert_same(reloaded, expected)  # what the first save after resume wrote loads bit-exact
 
-    results = run_ranks(checkpointer_resume, world_size, root, True)
-    for step, _, counts, reused, expected, reloaded in results.values():
+    # One rank's structure changed: every rank plans again, and the job says why (never silently).
+    results = run_ranks(checkpointer_resume_logged, world_size, root, None, "rank 1")
+    for rank, ((step, _, counts, reused, expected, reloaded), logged) in results.items():
         assert step == 31
         assert counts.get("scatter_object_list", 0) == 1  # structure changed: planned again
         assert not reused
         assert_same(reloaded, expected)
+        warnings = [r for r in logged if r.startswith("WARNING") and "cannot be reused" in r]
+        if rank == 0:
+            assert any("rank 1's local plan differs" in r for r in warnings), logged
+        if rank == 1:
+            assert len(warnings) == 1 and "item 'model.new_param'" in warnings[0] and "is not in them" in warnings[0]
+            assert f"read by torch {torch.__version__}" in warnings[0] and "run/step_00000031" in warnings[0]
+        if rank > 1:
+            assert not warnings
 
 
 def test_rank_killed_mid_upload_leaves_previous_step_latest(bucket, s3, proxy):

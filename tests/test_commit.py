@@ -22,7 +22,7 @@ from dcpstore.commit import NONCE_KEY
 
 # Attempts give up within seconds; the commit window is shorter than one stalled attempt.
 FAST = dcpstore.TransferConfig(
-    connect_timeout=1, read_timeout=3, retry=dcpstore.RetryPolicy(max_attempts=3, initial_backoff=0.01)
+    connect_timeout=1, read_timeout=3, min_send_rate=64 << 20, retry=dcpstore.RetryPolicy(max_attempts=3, initial_backoff=0.01)
 )
 METADATA = r"/ckpt/\.metadata$"
 
@@ -60,6 +60,23 @@ def test_a_commit_that_lands_after_the_deadline_is_committed(bucket, s3, proxy):
     proxy.add("PUT", METADATA, delay=FAST.read_timeout + 0.5)
     sd = _save_via(proxy, bucket, commit_window=1.0)
     proxy.clear()
+    assert_state_dict_equal(load(zeros_like_state_dict(sd), f"s3://{bucket}/ckpt"), sd)
+
+
+@pytest.mark.parametrize("status,code", [(504, "GatewayTimeout"), (500, "InternalError")])
+def test_a_commit_answered_with_a_server_error_that_lands_later_is_committed(bucket, s3, proxy, status, code):
+    """A gateway answers every .metadata PUT with an error at once; the store completes the first one later.
+
+    An error answer is not "did not land": the outcome waits out the landing
+    margin (5 s here) and then reads storage, which shows this save's commit.
+    """
+    first = proxy.add("PUT", METADATA, status=status, code=code, lands_after=2.0, times=1)
+    proxy.add("PUT", METADATA, status=status, code=code)
+    sd = _save_via(proxy, bucket, commit_window=1.0)  # returns: committed
+    assert first.hits == 1 and any(m == "PUT" and p.endswith("/ckpt/.metadata") for m, p, _ in proxy.landed)
+    proxy.clear()
+    md = read_metadata_raw(s3, bucket, "ckpt")
+    assert {info.relative_path for info in md.storage_data.values()} <= {k.split("/", 1)[1] for k in _shards(s3, bucket)}
     assert_state_dict_equal(load(zeros_like_state_dict(sd), f"s3://{bucket}/ckpt"), sd)
 
 
@@ -109,13 +126,32 @@ def test_every_rank_reports_a_commit_whose_answer_was_lost(bucket, s3, proxy):
         assert_loaded(r)
 
 
+def test_ranks_agree_when_the_coordinators_work_before_the_put_outlasts_their_wait(bucket, s3, proxy):
+    """The resume index PUT stalls past the peers' collective timeout (4 s here, connect and read 1 s, window 1 s).
+
+    The coordinator then starts no .metadata PUT, since its peers may
+    already have settled without it: both ranks report failed, and storage
+    holds no .metadata.  (Before: rank 1 settled "failed", rank 0 committed.)
+    """
+    proxy.add("PUT", r"/run/step_00000001/\.dcpstore-index-", delay=6)
+    transfer = dcpstore.TransferConfig(
+        connect_timeout=1, read_timeout=1, min_send_rate=64 << 20, retry=dcpstore.RetryPolicy(initial_backoff=0.01)
+    )
+    outcomes = run_ranks(checkpointer_one_save, 2, f"s3://{bucket}/run", proxy.endpoint, transfer, 1.0, 4.0)
+    assert outcomes[0] is not None and "past the point its peers stop waiting" in outcomes[0][1]
+    assert outcomes[1] is not None and "storage shows no .metadata of this save" in outcomes[1][1]
+    assert not object_exists(s3, bucket, "run/step_00000001/.metadata")
+
+
 @pytest.mark.parametrize("after_put", [False, True], ids=["dies-before-the-put", "dies-after-it-landed"])
 def test_time_to_an_outcome_when_the_coordinator_dies_at_the_commit(bucket, s3, after_put):
     """3 gloo ranks; rank 0 dies at the .metadata PUT.  The others report what storage shows, within the bound.
 
-    The bound is the README's: the broken collective (at once: the peer's
-    socket closes), then commit_window + connect + read timeout + 1 s, plus
-    1 s of jitter and slack for a busy box (deadline_scale).
+    The bound is the README's: the collective timeout (20 s in the worker;
+    a socket that closes sooner is settled as a timeout, since the
+    coordinator might be alive and still committing), then commit_window +
+    connect + read timeout + 1 s, plus 1 s of jitter and slack for a busy
+    box (deadline_scale).  A step that committed is reported as soon as it shows.
     """
     from dist_utils import deadline_scale
     from workers import checkpointer_coordinator_dies_at_commit
@@ -125,7 +161,8 @@ def test_time_to_an_outcome_when_the_coordinator_dies_at_the_commit(bucket, s3, 
     results = run_ranks(
         checkpointer_coordinator_dies_at_commit, 3, root, FAST, window, after_put, expect_killed=(0,), timeout=240
     )
-    bound = (window + FAST.connect_timeout + FAST.read_timeout + 1 + 1 + 15) * deadline_scale()
+    landing = FAST.connect_timeout + FAST.read_timeout + FAST.multipart_threshold / FAST.min_send_rate + 1
+    bound = (20 + window + landing + 1 + 15) * deadline_scale()
     for rank in (1, 2):
         outcome, seconds = results[rank]
         assert seconds < bound, (rank, seconds, bound)

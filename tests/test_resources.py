@@ -41,6 +41,15 @@ def threads() -> tuple[int, int]:
     return threading.active_count() - loop_executor, len(os.listdir("/proc/self/task")) - loop_executor
 
 
+def os_thread_names() -> list[str]:
+    """Each OS thread's name (``comm``): torch's C++ threads have no Python ``Thread``."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as f:
+            names.append(f.read().strip())
+    return sorted(names)
+
+
 def save_steps(root: str, steps: int) -> None:
     g = torch.Generator().manual_seed(0)
     sd = {"big": torch.randn(BIG // 4, generator=g)}
@@ -69,12 +78,13 @@ def test_thirty_async_saves_leave_no_threads_or_memory_behind(two_roots):
     warm_up, root = two_roots
     save_steps(warm_up, 1)
     (py_threads, os_threads), memory = threads(), rss()
+    os_thread_names_before = os_thread_names()
     save_steps(root, STEPS)
     (py_after, os_after), memory_after = threads(), rss()
     print(f"threads {py_threads} -> {py_after}, OS threads {os_threads} -> {os_after}, RSS {memory >> 20} -> {memory_after >> 20} MiB")
     # At most: a thread of an earlier test (a proxy's request handler) may end meanwhile.
     assert py_after <= py_threads, [t.name for t in threading.enumerate()]
-    assert os_after <= os_threads
+    assert os_after <= os_threads, (os_thread_names_before, os_thread_names())
     assert memory_after - memory < RSS_TOLERANCE
 
 

@@ -1,17 +1,29 @@
 """The resume index: a restarted rank reads its own share of a checkpoint, not the whole job's ``.metadata``."""
 
+import dataclasses
 import json
 import zlib
 
 import pytest
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from conftest import read_metadata_raw
 from dist_utils import run_ranks
 from test_checkpointer import assert_same
 from workers import checkpointer_resume_logged, checkpointer_resume_then_save, checkpointer_three_saves, load_with_state_dict
 
-from dcpstore import resume_index
+from dcpstore import planner_data, resume_index
+from dcpstore.plan_cache import PlanCache, describe_source
 from dcpstore.cli import main
 from dcpstore.planner_data import INDEX_KEY, split
 
@@ -145,8 +157,9 @@ def test_a_missing_or_damaged_index_falls_back_to_metadata_with_a_warning(damage
     assert [m for m, p in proxy.requests if p.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "HEAD", "GET"]
 
 
-def _tensor_row(fqn="w", dtype="float32", size=(4,)):
-    return [fqn, "tensor", list(size), dtype, "strided", False, "contiguous_format", False]
+def _tensor_row(fqn="w", dtype="float32", size=(4,), **fields):
+    properties = {"dtype": {"dtype": dtype}, "layout": {"layout": "strided"}, "requires_grad": {"v": False}, **fields}
+    return [fqn, "tensor", list(size), properties]
 
 
 def _item_row(offsets=(0,), sizes=(4,), path="__0_a_0.distcp"):
@@ -172,6 +185,9 @@ def test_a_well_formed_block_gives_the_ranks_share_and_its_plans():
         {"fqns": [_tensor_row(dtype="os.system")], "items": [_item_row()]},
         {"fqns": [_tensor_row(dtype="_dynamo")], "items": [_item_row()]},  # a lazy torch submodule: never imported
         {"fqns": [_tensor_row(size=(10**30,))], "items": [_item_row()]},
+        {"fqns": [_tensor_row(layout={"layout": "load"})], "items": [_item_row()]},
+        {"fqns": [_tensor_row(pin_memory={"call": "os.system"})], "items": [_item_row()]},
+        {"fqns": [_tensor_row()[:3] + ["float32", "strided", False, "contiguous_format", False]], "items": [_item_row()]},
         {"fqns": [_tensor_row()], "items": [_item_row(offsets=(-1,))]},
         {"fqns": [_tensor_row()], "items": [_item_row(offsets=(0, 0))]},  # wrong rank
         {"fqns": [_tensor_row()], "items": [[7, 0, [0], [4], 1, "p", 0, 1, None, None]]},  # no such fqn
@@ -183,6 +199,67 @@ def test_a_well_formed_block_gives_the_ranks_share_and_its_plans():
 def test_a_malformed_block_is_refused_by_name_never_built(block):
     with pytest.raises(resume_index.IndexUnusable, match="s3://b/ck|planner_data"):
         resume_index.share_metadata(block, ENTRY, "s3://b/ck")
+
+
+def _hostile(element: bytes, inflated: int) -> bytes:
+    """A block that is one JSON list of ``element``, ``inflated`` bytes long: what whoever can write the bucket may put there."""
+    if element == b"astral":  # one string that an escape makes four bytes a character
+        return b'{"fqns":[],"items":[],"plan_data":{"v":"\\ud83d\\ude00' + b"a" * (inflated - 60) + b'"}}'
+    if element == b"utf-8":  # json.dumps writes ASCII: text that is not is no block of ours
+        return b'{"fqns":[],"items":[],"plan_data":{"v":"' + "\N{GRINNING FACE}".encode() * ((inflated - 60) // 4) + b'"}}'
+    return b'{"fqns":[' + b",".join([element] * ((inflated - 20) // (len(element) + 1))) + b'],"items":[]}'
+
+
+@pytest.mark.parametrize(
+    "element,refused",
+    [
+        (b"[]", True),  # a 56-byte list for every 3 bytes of text
+        (b'{"a":1000}', True),  # a one-key dict and an int for every 11
+        (b'"\\u4e00"', True),  # a 76-byte string for every 9
+        (b"[" * 40 + b"]" * 40, True),  # nesting
+        (b"astral", True),  # 4 bytes a character, and the decoded text besides
+        (b"utf-8", True),
+        (b"[]", False),  # small enough to parse: the estimate lets it through
+    ],
+    ids=["lists", "dicts", "strings", "nesting", "astral", "utf-8", "under-the-estimate"],
+)
+def test_a_hostile_block_at_the_caps_is_refused_or_parsed_within_256_mib(element, refused):
+    """The bounds are on bytes; what a parse builds is bounded too, before it starts (``resume_index.parse_cost``)."""
+    import hashlib
+    import tracemalloc
+
+    from dcpstore.storage import open_store
+
+    inflated = resume_index.MAX_BLOCK_JSON if refused else resume_index.MAX_PARSE_MEMORY // 160
+    raw = zlib.compress(_hostile(element, inflated), 9)
+    store = open_store(f"memory://hostile-{element.hex()[:8]}-{refused}")
+    store.put(".dcpstore-index-x", raw)
+    entry = {"key": ".dcpstore-index-x", "rank": 0, "block": [0, len(raw), hashlib.sha256(raw).hexdigest()]}
+    del raw
+    tracemalloc.start()
+    try:
+        if refused:
+            with pytest.raises(resume_index.IndexUnusable, match="could take .* MiB of memory|does not parse|not ASCII"):
+                resume_index.read_block(store, entry)
+        else:
+            assert len(resume_index.read_block(store, entry)["fqns"]) > 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+        store.close()
+    assert peak <= 256 << 20, f"{peak >> 20} MiB"
+
+
+def test_a_real_blocks_parse_estimate_leaves_room_for_ten_times_the_usual_items():
+    """A rank of 2,000 items (the usual FSDP shards and AdamW states) is far from the bound the estimate sets."""
+    block = {
+        "fqns": [_tensor_row(f"model.layers.{i}.weight", size=(4096, 4096)) for i in range(2000)],
+        "items": [[i, 0, [0, 0], [256, 4096], 3, "__0_0123456789abcdef_0.distcp", i << 20, 4 << 20, None, 12345678]
+                  for i in range(2000)],
+        "plan_data": {"v": None},
+    }
+    text = json.dumps(block, separators=(",", ":")).encode()
+    assert 10 * resume_index.parse_cost(text) < resume_index.MAX_PARSE_MEMORY
 
 
 def test_nesting_in_plan_data_is_bounded():
@@ -198,3 +275,62 @@ def test_chunks_of_one_fqn_are_capped_since_their_keys_hash_predictably():
     block = {"fqns": [_tensor_row(size=(resume_index.MAX_CHUNKS_PER_FQN + 1,))], "items": rows}
     with pytest.raises(resume_index.IndexUnusable, match="chunks of 'w'"):
         resume_index.share_metadata(block, ENTRY, "s3://b/ck")
+
+
+# -- a field torch adds to TensorProperties later (torch 2.15 added ``strides``) ---------------
+
+# A copy of torch's dataclass with one more field, as a later torch might have it.
+FutureProperties = dataclasses.make_dataclass(
+    "TensorProperties", [("sparsity", int, dataclasses.field(default=0))], bases=(TensorProperties,)
+)
+
+
+def _share_of(properties, written_by="9.9.0"):
+    """Rank 0's share, written with ``properties`` for item 'w', and the local plan it came from."""
+    sdm = {"w": TensorStorageMetadata(properties, torch.Size([4]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))])}
+    data = TensorWriteData(chunk=sdm["w"].chunks[0], properties=properties, size=sdm["w"].size)
+    local = SavePlan([WriteItem(MetadataIndex("w", torch.Size([0])), WriteItemType.TENSOR, tensor_data=data)])
+    metadata = Metadata(sdm, storage_data={MetadataIndex("w", torch.Size([0]), 0): _StorageInfo("__0_0.distcp", 0, 16)})
+    compact = planner_data.encode_plans([local, local], metadata, [{MetadataIndex("w", torch.Size([0]))}, set()])
+    raw, pointer = resume_index.build(metadata, compact, {}, "s")
+    directory = json.loads(zlib.decompress(raw[pointer["directory"][0]:]))
+    start, length, _ = directory["blocks"][0]
+    block = json.loads(zlib.decompress(raw[start:start + length]))
+    return block, {**ENTRY, "torch_version": written_by}, local
+
+
+def test_a_field_both_torches_have_is_carried_and_the_plan_is_reused(monkeypatch):
+    monkeypatch.setattr(resume_index, "TensorProperties", FutureProperties)
+    block, entry, local = _share_of(FutureProperties(dtype=torch.bfloat16, sparsity=3))
+    assert block["fqns"][0][3]["sparsity"] == {"v": 3}  # stored by name, like every other field
+    share = resume_index.share_metadata(block, entry, "s3://b/ck")
+    assert share.metadata.state_dict_metadata["w"].properties == FutureProperties(dtype=torch.bfloat16, sparsity=3)
+    cache = PlanCache()
+    assert cache.fill_from_share(share.local_plan, share.final_plan, rank=1, world_size=2, planner=DefaultSavePlanner(),
+                                 source=describe_source("s3://b/ck", "9.9.0"))
+    assert cache.lookup(local, 2) is not None and cache.primed_miss(local) is None
+
+
+def test_a_field_the_reading_torch_lacks_is_refused_by_name():
+    written = FutureProperties(dtype=torch.bfloat16, sparsity=3)
+    block, entry, _ = _share_of(written, written_by="9.9.0")
+    with pytest.raises(resume_index.IndexUnusable, match=r"'w': TensorProperties.sparsity \(written by torch 9.9.0\) is not a field of torch"):
+        resume_index.share_metadata(block, entry, "s3://b/ck")
+
+
+def test_a_field_the_writing_torch_lacked_takes_its_default_and_the_miss_names_it(monkeypatch):
+    block, entry, _ = _share_of(TensorProperties(dtype=torch.bfloat16), written_by="2.0.0")
+    monkeypatch.setattr(resume_index, "TensorProperties", FutureProperties)
+    share = resume_index.share_metadata(block, entry, "s3://b/ck")
+    assert share.metadata.state_dict_metadata["w"].properties == FutureProperties(dtype=torch.bfloat16, sparsity=0)
+    cache = PlanCache()
+    assert cache.fill_from_share(share.local_plan, share.final_plan, rank=1, world_size=2, planner=DefaultSavePlanner(),
+                                 source=describe_source("s3://b/ck", "2.0.0"))
+    # This torch's planner fills the new field: the persisted plan cannot serve, and the miss says exactly why.
+    now = FutureProperties(dtype=torch.bfloat16, sparsity=1)
+    item = share.local_plan.items[0]
+    local = SavePlan([dataclasses.replace(item, tensor_data=dataclasses.replace(item.tensor_data, properties=now))])
+    assert cache.lookup(local, 2) is None
+    why = cache.primed_miss(local)
+    assert "item 'w': WriteItem.tensor_data.properties.sparsity is 1, cached 0" in why
+    assert "s3://b/ck (written by torch 2.0.0, read by torch " in why

@@ -6,6 +6,7 @@ after a higher one must never prune the step just committed, nor make
 """
 
 import logging
+import uuid
 
 import pytest
 import torch
@@ -43,6 +44,47 @@ def test_the_step_just_committed_is_never_pruned(root, caplog):
         assert ckpt.latest_step() == 250
         assert _loaded(ckpt) == (250, 2.0)
     assert "saving step 250 below the highest committed step 300" in caplog.text
+
+
+@pytest.fixture(params=["s3", "memory"])
+def shared_root(request, s3_server):
+    if request.param == "memory":
+        return f"memory://two-runs-{uuid.uuid4().hex[:12]}/run"
+    return f"s3://{request.getfixturevalue('bucket')}/run"
+
+
+def test_a_run_that_saves_rarely_beside_another_never_prunes_the_step_it_just_committed(shared_root):
+    """Two runs on one root: a saves often, b (a zombie, a restart beside the old job) rarely.
+
+    b's commit takes its sequence from what the root holds now, not from a
+    count of its own: step 6 is the newest commit, b keeps it and resumes it.
+    """
+    with dcpstore.AsyncCheckpointer(shared_root, keep_last=2) as a, dcpstore.AsyncCheckpointer(shared_root, keep_last=2) as b:
+        _save(b, 5, 5)
+        for step in (100, 110, 120, 130):
+            _save(a, step, step)
+        _save(b, 6, 6)  # reported committed
+        assert b.committed_steps()[-1] == 6 and b.latest_step() == 6
+        assert _loaded(b) == (6, 6.0)
+        _save(a, 140, 140)
+        assert a.latest_step() == 140 and 140 in a.committed_steps()
+
+
+def test_deleting_a_committed_step_gives_back_the_store_it_opened_even_when_it_fails(bucket, proxy):
+    from dcpstore.layout import delete_committed_step
+    from dcpstore.storage import TransferConfig, open_store
+
+    url = f"s3://{bucket}/run"
+    with dcpstore.AsyncCheckpointer(url, storage_options={"endpoint_url": proxy.endpoint}) as ckpt:
+        _save(ckpt, 1, 1)
+    store = open_store(url, {"endpoint_url": proxy.endpoint}, TransferConfig())
+    leases = store._connection._leases
+    proxy.add("GET", r"list-type=2", status=403, code="AccessDenied")
+    with pytest.raises(dcpstore.StorageAccessError) as failed:
+        delete_committed_step(store, "step_00000001")
+    assert failed.value is not None  # the error, and the frames it holds, live on
+    assert store._connection._leases == leases  # yet the step's store gave its lease back
+    store.close()
 
 
 @pytest.mark.also_rgw(root="s3")

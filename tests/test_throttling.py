@@ -88,6 +88,17 @@ def test_stores_and_threads_of_a_process_share_one_rate_per_key_range(bucket, pr
     assert proxy.throttle.amplification <= 1.5, (proxy.throttle.sent, proxy.throttle.admitted)
 
 
+def test_a_request_paced_past_its_deadline_is_not_sent(bucket, proxy):
+    """A request's first send slot is checked against its deadline too, not only its retries'."""
+    store = _store(bucket, proxy, "paced", prefix_write_rate=1.0)
+    store.share_write_rate(1)  # one write a second in this key range
+    store.put("first", b"1")
+    with pytest.raises(dcpstore.TransientStorageError, match=r"paced/late was not sent: .* past its deadline"):
+        store.put("late", b"2", deadline=time.monotonic() + 0.05)
+    assert not any(path.split("?")[0].endswith("/paced/late") for _, path in proxy.requests)
+    store.close()
+
+
 def test_a_cut_for_one_key_range_leaves_the_others_alone(bucket, proxy):
     """Key spreading can only help if a hot range's cut does not slow the bucket's other ranges."""
     store = _store(bucket, proxy, "ranges", prefix_write_rate=100.0)
@@ -165,6 +176,44 @@ def test_a_save_has_one_throttling_budget_not_one_per_request(bucket, proxy):
     assert time.monotonic() - t0 < (budget + 10) * deadline_scale()
 
 
+def test_a_slow_upload_leaves_the_saves_throttle_budget_unspent(bucket, s3, proxy):
+    """The budget counts time the save spent throttled, not time spent uploading.
+
+    The one shard takes longer than the whole budget, unthrottled; the
+    ``.metadata`` PUT is then throttled once, and the save still commits.
+    """
+    budget = 2.0
+    proxy.add("PUT", r"/slow-upload/.*\.distcp", delay=budget + 1)
+    slow_down = proxy.add("PUT", r"/slow-upload/\.metadata$", status=503, code="SlowDown", times=1)
+    transfer = TransferConfig(retry=RetryPolicy(initial_backoff=0.01, throttle_budget=budget))
+    writer = dcpstore.ObjectStoreWriter(
+        f"s3://{bucket}/slow-upload", storage_options={"endpoint_url": proxy.endpoint}, transfer=transfer, objects_per_rank=1
+    )
+    dcp.save({"w": torch.arange(10.0)}, storage_writer=writer, no_dist=True)
+    writer.close()
+    assert slow_down.hits == 1
+    assert s3.head_object(Bucket=bucket, Key="slow-upload/.metadata")["ContentLength"] > 0
+
+
+def test_a_saves_throttle_clock_counts_concurrent_throttling_once(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(throttle, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    save = throttle.ThrottleClock(budget=10.0)
+    clock[0] = 100.0  # an hour of unthrottled upload would change nothing: only held time counts
+    save.hold()
+    clock[0] += 3
+    save.hold()  # a second request throttled while the first still is
+    clock[0] += 2
+    save.release()
+    clock[0] += 1
+    save.release()
+    assert save.spent() == pytest.approx(6.0) and not save.exhausted()
+    clock[0] += 50  # uploading, unthrottled
+    save.hold()
+    clock[0] += 4
+    assert save.spent() == pytest.approx(10.0) and save.exhausted()
+
+
 def test_growth_probes_faster_the_longer_a_range_sends_unthrottled_and_idle_time_does_not_count(monkeypatch):
     """A range S3 split (or that other writers left) is found out in seconds; a pause between saves is not probing."""
     clock = [1000.0]
@@ -198,3 +247,38 @@ def test_growth_probes_faster_the_longer_a_range_sends_unthrottled_and_idle_time
     before = rate.rate
     rate.succeeded()
     assert rate.rate / before - 1 < 2 * fresh
+
+
+def test_a_background_abort_is_not_bound_by_the_saves_spent_throttle_budget(bucket, s3, proxy):
+    """An abort that failed in the save goes on in the background, where a SlowDown is retried, not the end of a round."""
+    from dcpstore.storage.throttle import ThrottleClock
+
+    upload = s3.create_multipart_upload(Bucket=bucket, Key="late/shard")["UploadId"]
+    store = _store(bucket, proxy, "late", retry=RetryPolicy(initial_backoff=0.01, max_backoff=0.05, throttle_budget=5.0))
+    store.save_throttle = ThrottleClock(budget=0.0)  # the save that left it spent its whole budget
+    slow_down = proxy.add("DELETE", r"/late/shard\?uploadId=", status=503, code="SlowDown", times=8)
+    store.abort_later("shard", upload)
+    store.settle_aborts()
+    assert slow_down.hits == 8
+    assert not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    store.close()
+
+
+def test_two_profiles_that_point_at_two_servers_are_paced_apart(bucket, proxy, tmp_path, monkeypatch, endpoint):
+    """An endpoint set in an AWS profile is the server a store's rates are kept for, not one shared "aws"."""
+    config = tmp_path / "config"
+    config.write_text(
+        "".join(
+            f"[profile {name}]\nendpoint_url = {url}\naws_access_key_id = testing\naws_secret_access_key = testing\n\n"
+            for name, url in (("via-proxy", proxy.endpoint), ("direct", endpoint))
+        )
+    )
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    via_proxy = open_store(f"s3://{bucket}/p", {"profile": "via-proxy"}, TransferConfig())
+    direct = open_store(f"s3://{bucket}/p", {"profile": "direct"}, TransferConfig())
+    assert via_proxy.rate_scope == (proxy.endpoint, bucket) and direct.rate_scope == (endpoint, bucket)
+    via_proxy.put("obj", b"x")  # and the client does send there
+    assert any(method == "PUT" and path.split("?")[0].endswith(f"/{bucket}/p/obj") for method, path in proxy.requests)
+    via_proxy.close()
+    direct.close()

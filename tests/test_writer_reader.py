@@ -187,6 +187,23 @@ def test_truncated_shard_is_named(bucket, s3):
 
 
 @pytest.mark.also_rgw
+def test_a_metadata_body_cut_short_in_transit_is_read_again_and_one_short_in_storage_is_corrupt(bucket, s3, proxy):
+    """A 200 whose body and Content-Length a middlebox cut in half looks whole: the object's size in its answer tells."""
+    url = f"s3://{bucket}/ckpt"
+    sd = sample_state_dict()
+    save(sd, url)
+    via_proxy = {"storage_options": {"endpoint_url": proxy.endpoint}}
+    cut = proxy.add("GET", r"/ckpt/\.metadata$", short=True, times=2)
+    assert_state_dict_equal(load(zeros_like_state_dict(sd), url, **via_proxy), sd)
+    assert cut.hits == 2  # both cut answers were read again, not parsed
+    # Short in storage itself: no retry brings the missing bytes back, and the error says what it is.
+    body = s3.get_object(Bucket=bucket, Key="ckpt/.metadata")["Body"].read()
+    s3.put_object(Bucket=bucket, Key="ckpt/.metadata", Body=body[: len(body) // 2])
+    with pytest.raises(BaseException, match=r"ckpt/\.metadata: cannot unpickle the metadata"):
+        load(zeros_like_state_dict(sd), url, **via_proxy)
+
+
+@pytest.mark.also_rgw
 def test_corrupted_shard_fails_checksum(bucket, s3):
     url = f"s3://{bucket}/ckpt"
     save({"w": torch.randn(1000)}, url, objects_per_rank=1)

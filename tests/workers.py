@@ -150,19 +150,23 @@ def checkpointer_three_saves(rank, world_size, root, planning):
 
 
 def checkpointer_resume(rank, world_size, root, change_structure, endpoint=None):
-    """A fresh job: load the latest step, then save once more, counting collectives."""
+    """A fresh job: load the latest step, then save once more, counting collectives.
+
+    ``change_structure``: a new item in the state dict of every rank (True) or of rank 1 only ("rank 1").
+    """
     counts = count_collectives()
     ckpt = dcpstore.AsyncCheckpointer(root, storage_options={"endpoint_url": endpoint} if endpoint else None)
     sd = sharded_state_dict(world_size, 0, zeros=True)
     step = ckpt.load(sd)
     loaded = gathered(sd)
-    if change_structure:
+    changed = change_structure is True or (change_structure == "rank 1" and rank == 1)
+    if changed:
         sd["model"]["new_param"] = torch.ones(3)
     sd["model"]["replicated"].mul_(2)
     saved_counts, reused = _save_counted(ckpt, counts, sd, step + 1)
     expected = gathered(sd)
     check = sharded_state_dict(world_size, 0, zeros=True)
-    if change_structure:
+    if changed:
         check["model"]["new_param"] = torch.zeros(3)
     ckpt.load(check, step=step + 1)
     ckpt.close()
@@ -325,10 +329,11 @@ def save_under_throttling(rank, world_size, url, proxy_endpoint, transfer):
     return time.monotonic() - t0
 
 
-def checkpointer_one_save(rank, world_size, root, proxy_endpoint, transfer, commit_window):
+def checkpointer_one_save(rank, world_size, root, proxy_endpoint, transfer, commit_window, collective_timeout=600.0):
     """Save step 1 through the proxy; ``None`` when committed, else the error's type and text."""
     ckpt = dcpstore.AsyncCheckpointer(
-        root, storage_options={"endpoint_url": proxy_endpoint}, transfer=transfer, commit_window=commit_window
+        root, storage_options={"endpoint_url": proxy_endpoint}, transfer=transfer, commit_window=commit_window,
+        collective_timeout=datetime.timedelta(seconds=collective_timeout),
     )
     try:
         ckpt.save(sharded_state_dict(world_size, 0), step=1)
@@ -369,8 +374,8 @@ def checkpointer_coordinator_dies_at_commit(rank, world_size, root, transfer, co
     return outcome, time.monotonic() - t0
 
 
-def checkpointer_resume_logged(rank, world_size, root, endpoint=None):
-    """``checkpointer_resume`` without a structure change, also returning the dcpstore warnings this rank logged."""
+def checkpointer_resume_logged(rank, world_size, root, endpoint=None, change_structure=False):
+    """``checkpointer_resume``, also returning the dcpstore messages this rank logged."""
     import logging
 
     records: list[str] = []
@@ -384,7 +389,7 @@ def checkpointer_resume_logged(rank, world_size, root, endpoint=None):
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        return checkpointer_resume(rank, world_size, root, False, endpoint), records
+        return checkpointer_resume(rank, world_size, root, change_structure, endpoint), records
     finally:
         logger.removeHandler(handler)
 

@@ -20,9 +20,10 @@ One outcome on every rank: when a collective of the commit fails (a peer
 died or timed out), the coordinator may or may not have written
 ``.metadata``, so each surviving rank asks storage instead: HEADs of
 ``.metadata``, looking for the save's nonce (agreed by all ranks before
-the upload), until the coordinator's ``commit_window`` plus the time an
-unanswered PUT may take to land have passed; then storage's answer is
-final.  Committed means a warning that a peer died; anything else raises.
+the upload), until the last moment the coordinator may start its PUT, plus
+its ``commit_window``, plus the time an unsettled PUT (no answer, or a 5xx)
+may take to land, have passed; then storage's answer is final (the
+argument is in ``commit``'s docstring).  Committed means a warning that a peer died; anything else raises.
 Errors that happen
 before the first collective (staging, a storage check) travel through the
 same all-reduced failure flag as planning does, so peers raise within
@@ -69,7 +70,7 @@ from .errors import (
     ObjectNotFoundError,
 )
 from .layout import METADATA_KEY, StepNaming, committed_steps, delete_committed_step
-from .plan_cache import CachedPlan, PlanCache
+from .plan_cache import CachedPlan, PlanCache, describe_source
 from .reader import ObjectStoreReader, check_state_dict, no_metadata_error, parse_metadata, read_metadata_bytes
 from .staging import StagedItems, StagingPool
 from .steps import CommitOrder, CommitRecord, plan_gc
@@ -173,6 +174,13 @@ class _Collectives:
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
+
+    def timeout_s(self, default: datetime.timedelta) -> float:
+        """Seconds a rank waits in a collective of the group before it breaks: the gloo group's own timeout, else ``default``."""
+        try:
+            return self.group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        except (AttributeError, RuntimeError):
+            return default.total_seconds()
 
     def all_min(self, values: list[int]) -> list[int]:
         if not self.enabled:
@@ -283,8 +291,9 @@ class AsyncCheckpointer:
             trying (throttled, or failing) before the commit is settled by
             reading storage back (see ``commit``).  It also bounds how long a
             rank that lost the coordinator mid-commit waits before storage's
-            answer is final: ``commit_window`` plus ``landing_margin``
-            (connect + read timeout + 1 s).  It returns as soon as the
+            answer is final: the collective timeout, plus ``commit_window``,
+            plus ``landing_margin`` (connect + read timeout, the send time of
+            the largest single PUT, 1 s).  It returns as soon as the
             ``.metadata`` shows up.
         transfer, objects_per_rank, key_spread: see ``ObjectStoreWriter``.
         pin_memory: pin the staging memory (default: when CUDA is available).
@@ -336,6 +345,7 @@ class AsyncCheckpointer:
         self.planner_factory = planner_factory
         self.max_in_flight = max_in_flight
         self.commit_window = commit_window
+        self.collective_timeout = collective_timeout
         self.transfer = transfer or TransferConfig()
         self.store = open_store(self.root, self.storage_options, self.transfer)
         if process_group is None and dist.is_available() and dist.is_initialized():
@@ -343,8 +353,7 @@ class AsyncCheckpointer:
         self._coll = _Collectives(process_group)
         self.plan_cache = PlanCache()
         self._order = CommitOrder(self.store)
-        self._sequence: int | None = None  # of the root's newest commit, once read (coordinator)
-        self._highest_step: int | None = None  # the highest step number committed under the root, as known
+        self._last_sequence = 0  # the highest sequence this checkpointer committed with, or may have (coordinator)
         self._parent: int | None = None  # the step the next save continues from: last saved or loaded
         self._unsettled: set[int] = set()  # steps whose commit outcome was unknown: never pruned here
         self._writer = ObjectStoreWriter(
@@ -507,15 +516,21 @@ class AsyncCheckpointer:
         job.stats.exists_check_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         cached = self.plan_cache.lookup(job.local_plan, self.world_size) if error is None else None
-        # The save's nonce rides along: the largest of the ranks' random draws.
-        reuse, all_ok, neg_nonce = self._coll.all_min(
-            [int(cached is not None), int(error is None), -random.getrandbits(62)]
+        primed_miss = self.plan_cache.primed_miss(job.local_plan) if cached is None and error is None else None
+        # The save's nonce rides along: the largest of the ranks' random draws;
+        # and the lowest rank that could not use plans primed from a checkpoint.
+        reuse, all_ok, neg_nonce, first_miss = self._coll.all_min(
+            [int(cached is not None), int(error is None), -random.getrandbits(62),
+             self.rank if primed_miss is not None else self.world_size]
         )
         job.nonce = f"{-neg_nonce:016x}"
         writer.save_id = job.nonce  # what .metadata carries; a peer that loses the coordinator looks for it
         if not all_ok:
             self._raise_everywhere(job.url, error)
+        if first_miss < self.world_size:
+            self._warn_plans_not_reused(first_miss, primed_miss)
         if reuse:
+            cached.source = None  # reused: from now on, these are plans this job made
             central_plan, metadata = cached.central_plan, cached.metadata
             if cached.all_local_plans is not None:
                 writer.remember_local_plans(cached.all_local_plans)
@@ -546,6 +561,20 @@ class AsyncCheckpointer:
         self._commit(job, writer, metadata, results, error)
         job.stats.commit_s = time.perf_counter() - t2
         return job.stats
+
+    def _warn_plans_not_reused(self, first_miss: int, primed_miss: str | None) -> None:
+        """One warning when the first save after a resume cannot reuse the plans it was primed with.
+
+        The coordinator says so, with the reason if it is the lowest rank that
+        missed; that rank, if another, logs its own (which item, which field).
+        """
+        if first_miss == self.rank:
+            logger.warning("rank %d: %s; this save plans in full", self.rank, primed_miss)
+        elif self._coll.is_coordinator:
+            logger.warning(
+                "the plans persisted in the checkpoint this job resumed from cannot be reused: rank %d's local plan "
+                "differs (its log says which item and field); this save plans in full", first_miss
+            )
 
     def _plan(self, job: _SaveJob, writer: ObjectStoreWriter) -> tuple[SavePlan, Metadata | None]:
         """Full planning; fills the plan cache.
@@ -602,17 +631,26 @@ class AsyncCheckpointer:
         """
         verdict: tuple[Outcome, dict[int, str]] | None = None
         gather_error = None
+        if self._coll.is_coordinator and self._coll.enabled:
+            # The coordinator's last moment to start the .metadata PUT.  A peer
+            # stops waiting for the verdict a group timeout after it entered the
+            # broadcast, which is after it left the gather; no rank leaves the
+            # gather before every rank entered it (gather_object begins with an
+            # all_gather of the sizes), so not before now.  Its PUT then lands
+            # before the peer's settling ends (see _settle_without_coordinator).
+            writer.put_deadline = time.monotonic() + self._coll.timeout_s(self.collective_timeout)
         try:
             gathered = self._coll.gather(_Failure(_describe(error)) if error is not None else results)
         except Exception as e:  # noqa: BLE001 - a peer died; the broadcast below still tells the rest
             gather_error = e
         if self._coll.is_coordinator:
             verdict = self._decide(job, writer, metadata, gathered if gather_error is None else None, gather_error)
+        entered = time.monotonic()
         try:
             verdict = self._coll.broadcast(verdict)
         except Exception as e:  # noqa: BLE001 - storage decides, unless this rank decided
             if not self._coll.is_coordinator:
-                verdict = self._settle_without_coordinator(job, writer, error, e)
+                verdict = self._settle_without_coordinator(job, writer, error, e, entered)
                 results = None  # storage's answer is final, but such a rank deletes nothing: gc reclaims
         if verdict is None:
             self._parent = job.step
@@ -636,7 +674,7 @@ class AsyncCheckpointer:
             writer.commit_tags, writer.commit_record = record.tags(), record.planner_data()
             writer.finish(metadata, gathered)
         except CommitOutcomeUnknownError as e:
-            self._sequence = record.sequence  # it may have committed with it
+            self._last_sequence = record.sequence  # it may have committed with it
             self._unsettled.add(job.step)
             return Outcome.UNKNOWN, e.failures
         except CheckpointExistsError as e:
@@ -644,46 +682,55 @@ class AsyncCheckpointer:
         except Exception as e:  # noqa: BLE001
             return Outcome.FAILED, {self.rank: f"writing .metadata failed: {_describe(e)}"}
         self._order.remember(self.step_prefix(job.step), record)
-        self._sequence = record.sequence
+        self._last_sequence = record.sequence
         if self.keep_last is not None or self.gc_grace is not None:
             # Before the outcome goes out: once a save is done on any
             # rank, every rank's committed_steps() lists what is kept.
-            self._collect()
+            self._collect(job.step)
         return None
 
     def _next_commit(self, job: _SaveJob) -> CommitRecord:
-        """This save's commit record: the next sequence under the root, and the step the job continued from.
+        """This save's commit record: the next sequence above what storage holds now, and the step the job continued from.
 
-        The first commit of a checkpointer reads the root's records (one
-        listing, one HEAD a step); later ones count on from there.
+        Read from storage at every commit (``CommitOrder.newest``: one
+        listing of the step folders, a HEAD for each step not seen before),
+        never counted on locally: another run on the root (a zombie, a
+        restart while the old job still saves, a mistyped name) commits
+        meanwhile, and a commit below its newest sequence would lose to it,
+        and be pruned by this very save's retention.
         """
-        if self._sequence is None:
-            records = self._order.records(committed_steps(self.store, self.step_naming))
-            self._sequence = self._order.next_sequence(records) - 1
-            self._highest_step = max((r.step for r in records), default=None)
-        if self._highest_step is not None and job.step < self._highest_step:
+        newest, highest = self._order.newest(self.step_naming)
+        sequence = max(newest, self._last_sequence) + 1
+        if highest is not None and job.step < highest:
             logger.warning(
                 "%s: saving step %d below the highest committed step %d; steps are ordered by when "
                 "they committed, so step %d becomes the latest",
-                self.root, job.step, self._highest_step, job.step,
+                self.root, job.step, highest, job.step,
             )
-        self._highest_step = max(job.step, self._highest_step or job.step)
-        return CommitRecord(job.step, self._sequence + 1, self._parent)
+        return CommitRecord(job.step, sequence, self._parent)
 
-    def _settle_without_coordinator(self, job: _SaveJob, writer: ObjectStoreWriter, error, broken: BaseException):
+    def _settle_without_coordinator(self, job: _SaveJob, writer: ObjectStoreWriter, error, broken: BaseException, entered: float):
         """The verdict of a rank that lost the coordinator's answer: what storage shows, once it is final.
 
-        The coordinator sends its last ``.metadata`` attempt within
-        ``commit_window`` of starting the commit, which it started before
-        this rank's collective broke, and an unanswered attempt lands within
-        ``landing_margin`` of being sent.  Storage's answer after both is
-        final; this rank returns sooner when the ``.metadata`` shows up.
+        The coordinator starts its ``.metadata`` PUT, if at all, no later
+        than a group timeout after it entered the gather (``put_deadline``),
+        which is no later than this rank's collective broke; it sends its
+        last attempt within ``commit_window`` of starting it, and an
+        unsettled attempt lands within ``landing_margin`` of being sent.
+        Storage's answer after all three is final, however slow the
+        coordinator's work before the PUT (the resume index, the root's
+        listing).  ``entered``: when this rank entered the broadcast; a
+        collective that broke sooner than the group timeout (a peer's socket
+        closed) is settled as if it had timed out, since the coordinator
+        may still be working.  This rank returns sooner when the
+        ``.metadata`` shows up.
         A rank whose own upload failed knows the step cannot have committed.
         """
         why = f"the commit's collective broke ({_describe(broken)})"
         if error is not None:
             return Outcome.FAILED, {self.rank: f"{_describe(error)}; {why}"}
-        until = time.monotonic() + self.commit_window + landing_margin(writer.store)
+        broke = max(time.monotonic(), entered + self._coll.timeout_s(self.collective_timeout))
+        until = broke + self.commit_window + landing_margin(writer.store)
         outcome = wait_and_settle(writer.store, job.nonce, until)
         if outcome is Outcome.COMMITTED:
             logger.warning("%s: step %d is committed, but a peer rank failed around the commit (%s)", job.url, job.step, broken)
@@ -696,19 +743,20 @@ class AsyncCheckpointer:
         messages = self._coll.all_gather(_describe(error) if error is not None else None)
         raise CheckpointSaveError(url, {r: m for r, m in enumerate(messages) if m is not None}) from error
 
-    def _collect(self) -> None:
+    def _collect(self, just_committed: int) -> None:
         """Delete committed steps beyond ``keep_last`` and, with ``gc_grace``, failed saves' debris (coordinator only); best effort.
 
         Kept: the newest commit and its lineage, then the newest of the rest
-        (see ``steps.retained``), so the step just committed always stays,
-        and steps whose commit outcome this job could not learn.  Runs on
+        (see ``steps.retained``), and the step just committed whatever
+        another run committed meanwhile, and steps whose commit outcome this
+        job could not learn.  Runs on
         the save's background thread: one listing, batched deletes.  A
         failure here is logged.
         """
         try:
             plan = plan_gc(
                 self.store, self.keep_last, self.gc_grace,
-                naming=self.step_naming, order=self._order, keep=frozenset(self._unsettled),
+                naming=self.step_naming, order=self._order, keep=frozenset({just_committed, *self._unsettled}),
             )
             plan.run(self.store)
             for info in plan.pruned:
@@ -759,7 +807,6 @@ class AsyncCheckpointer:
         discarded = self._agreed(discard, f"deleting the committed steps above {step}")
         for gone in discarded:
             self._order.forget(self.step_prefix(gone))
-        self._sequence = None  # the next commit reads the root's records again
         return discarded
 
     def _agreed(self, fn: Callable[[], Any], what: str) -> Any:
@@ -846,6 +893,7 @@ class AsyncCheckpointer:
                 share.local_plan, share.final_plan, rank=self.rank, world_size=self.world_size,
                 planner=self.planner_factory(),
                 global_state=self._global_state_later(step, allow_globals, raw) if coordinator else None,
+                source=describe_source(url, entry.get("torch_version")),
             )
             return step
         # The writer only assigns storage prefixes here; it sends no request.

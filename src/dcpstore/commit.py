@@ -4,7 +4,9 @@ A checkpoint exists exactly when its ``.metadata`` does, so the commit is
 the one request whose outcome every rank must know truly.  An answer can be
 lost after the request took effect (a reset, a timeout, a proxy), and the
 retries that follow can be throttled until they give up: an error from the
-PUT therefore does not mean "not committed".  ``write_metadata`` settles
+PUT therefore does not mean "not committed", and neither does an error
+answer: a gateway answers 502/503/504 while the store behind it may still
+complete the PUT (``storage.Tries``).  ``write_metadata`` settles
 every error by reading storage back, and reports one of four outcomes:
 
 - ``COMMITTED``: this save's ``.metadata`` is in storage;
@@ -22,10 +24,28 @@ user metadata (``x-amz-meta-dcpstore-save``), so one HEAD tells, without
 reading or parsing the object; it equals ``StorageMeta.save_id`` inside it,
 which is what a store without user metadata is checked by.
 
-``settle`` is also how a rank that lost its coordinator learns the outcome:
-after the coordinator's deadline (``commit_window``) plus the time an
-unanswered attempt may take to land (``landing_margin``), storage's answer
-is final.
+``settle`` is also how a rank that lost its coordinator learns the outcome.
+Why the ranks of an ``AsyncCheckpointer`` never disagree:
+
+1. The coordinator notes ``put_deadline = now + T`` as it enters the gather
+   of the write results, ``T`` being the group's collective timeout.  It
+   sends no ``.metadata`` PUT after ``put_deadline`` (``ObjectStoreWriter.commit``
+   refuses to, and the save fails on the coordinator with no PUT sent),
+   however long its work before the PUT takes (the resume index, the root's
+   listing, a stalled store).
+2. No rank leaves that gather before every rank entered it
+   (``gather_object`` begins with an ``all_gather`` of the sizes), so a
+   peer enters the verdict's broadcast at ``b >= put_deadline - T``.
+3. A peer that gets the verdict reports it.  A peer whose broadcast breaks
+   settles from storage until ``max(now, b + T) + commit_window +
+   landing_margin``, which is at least ``put_deadline + commit_window +
+   landing_margin``: the coordinator's last attempt starts within
+   ``commit_window`` of its PUT's start, and lands within ``landing_margin``
+   of being sent.  So storage's answer then is final: if it shows this
+   save's ``.metadata``, the peer reports committed, as the coordinator
+   does (or would have); if not, none can appear, and the coordinator,
+   alive or not, reports or would have reported failed.
+4. The coordinator's own verdict is storage's answer too (``write_metadata``).
 """
 
 from __future__ import annotations
@@ -53,15 +73,21 @@ class Outcome(enum.Enum):
     UNKNOWN = "unknown"
 
 
-def landing_margin(store: ObjectStore) -> float:
-    """Seconds after its last attempt within which an unanswered ``.metadata`` PUT could still land.
+def landing_margin(store: ObjectStore, nbytes: int | None = None) -> float:
+    """Seconds after its last attempt started within which an unsettled ``.metadata`` PUT of ``nbytes`` could still land.
 
-    An attempt is given up after connect + read timeouts (``.metadata`` is
-    small, so its send time is negligible); a second more for clocks and
-    the server's own work.
+    Unsettled (``storage.Tries``): no answer came, or a 5xx, which a gateway
+    may send while the store still acts on the request.  An attempt is given
+    up after connect + read timeouts plus its body's time at
+    ``min_send_rate`` (a single PUT is at most ``multipart_threshold``; a
+    larger ``.metadata`` lands with its small CompleteMultipartUpload), and
+    a gateway in front of the store is assumed to give up on its upstream
+    within the same bounds; a second more for clocks and the server's own
+    work.  ``nbytes=None``: a rank that does not know the size assumes the largest.
     """
     t = store.transfer
-    return t.connect_timeout + t.read_timeout + 1.0
+    body = t.multipart_threshold if nbytes is None else min(nbytes, t.multipart_threshold)
+    return t.connect_timeout + t.read_timeout + body / t.min_send_rate + 1.0
 
 
 def write_metadata(
@@ -95,8 +121,8 @@ def write_metadata(
     except ConditionalWriteError as e:
         return Outcome.REFUSED, e  # the store already told its own lost answer from another writer's object
     except Exception as e:  # noqa: BLE001 - it may have taken effect: storage decides
-        if tries.unanswered:
-            time.sleep(landing_margin(store))  # an attempt nobody answered may still land
+        if tries.may_have_landed:
+            time.sleep(landing_margin(store, len(raw)))  # an attempt unanswered, or answered 5xx, may still land
         return settle(store, nonce, replaced_etag), e
 
 

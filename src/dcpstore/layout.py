@@ -97,8 +97,11 @@ def list_steps(store: ObjectStore, naming: StepNaming | None = None) -> list[Ste
 def delete_committed_step(store: ObjectStore, prefix: str) -> None:
     """Delete a committed step: ``.metadata`` first, so it stops being a checkpoint before its shards go."""
     child = store.child(prefix)
-    child.delete([METADATA_KEY])
-    child.delete([o.key for o in child.list()])
+    try:
+        child.delete([METADATA_KEY])
+        child.delete([o.key for o in child.list()])
+    finally:
+        child.close()
 
 
 def open_uploads(store: ObjectStore) -> list[MultipartUploadInfo]:

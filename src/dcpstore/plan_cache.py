@@ -24,6 +24,8 @@ import concurrent.futures
 import dataclasses
 import logging
 
+import torch
+
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 from torch.distributed.checkpoint.metadata import Metadata
@@ -49,6 +51,15 @@ class CachedPlan:
     # (metadata, all_local_plans) above, still being read from .metadata off
     # the training thread (see PlanCache.fill_from_share).
     pending: concurrent.futures.Future | None = None
+    # Where a cache primed from a checkpoint got its plans, and which torch
+    # wrote them (for the warning when the first save cannot reuse them);
+    # None for plans this process made.
+    source: str | None = None
+
+
+def describe_source(url: str, written_by: str | None) -> str:
+    """How the warnings name plans persisted in the checkpoint at ``url`` by torch ``written_by``."""
+    return f"the plans persisted in {url} (written by torch {written_by or 'of an unknown version'}, read by torch {torch.__version__})"
 
 
 _GLOBAL_STEP = ("create_global_plan", "_create_global_plan", "_dedup_save_plans", "_create_global_plan_with_caching")
@@ -64,6 +75,38 @@ def default_global_step(planner: SavePlanner) -> bool:
 def same_plan(a: SavePlan, b: SavePlan) -> bool:
     """Whether two local plans describe the same save (items and planner data)."""
     return a.items == b.items and a.planner_data == b.planner_data
+
+
+def plan_difference(cached: SavePlan, local: SavePlan) -> str | None:
+    """The first thing in which ``local`` differs from ``cached``, by item and field, or ``None`` if it does not.
+
+    Fields are compared generically (``dataclasses.fields``), so a field a
+    newer torch adds to ``WriteItem`` or ``TensorProperties`` is named too.
+    """
+    by_index = {item.index: item for item in cached.items}
+    for new in local.items:
+        old = by_index.pop(new.index, None)
+        if old is None:
+            return f"item {new.index.fqn!r} (offsets {new.index.offset}) is not in them"
+        if old != new:
+            return f"item {new.index.fqn!r}: {_differing_field(old, new, type(new).__name__)}"
+    if by_index:
+        gone = next(iter(by_index))
+        return f"item {gone.fqn!r} (offsets {gone.offset}) is no longer in the state dict"
+    if cached.items != local.items:
+        return "the state dict holds its items in another order"
+    if cached.planner_data != local.planner_data:
+        return "the planner's planner_data differs"
+    return None
+
+
+def _differing_field(old, new, path: str) -> str:
+    if dataclasses.is_dataclass(old) and type(old) is type(new):
+        for field in dataclasses.fields(old):
+            a, b = getattr(old, field.name), getattr(new, field.name)
+            if a != b:
+                return _differing_field(a, b, f"{path}.{field.name}")
+    return f"{path} is {new!r}, cached {old!r}"
 
 
 class PlanCache:
@@ -92,11 +135,23 @@ class PlanCache:
             try:
                 entry.metadata, entry.all_local_plans = entry.pending.result()
             except Exception as e:  # noqa: BLE001 - the save plans in full instead
-                logger.warning("reading the checkpoint's global plan failed (%s): this save plans in full", e)
+                logger.warning("%s cannot be reused: reading the checkpoint's global plan failed (%s); this save plans in full",
+                               entry.source, e)
                 self.clear()
                 return None
             entry.pending = None
         return entry
+
+    def primed_miss(self, local_plan: SavePlan) -> str | None:
+        """Why plans primed from a checkpoint cannot serve ``local_plan``, or ``None`` (they can, or none were primed).
+
+        Runs only after ``lookup`` missed: it names the item and field.
+        """
+        entry = self._entry
+        if entry is None or entry.source is None:
+            return None
+        why = plan_difference(entry.local_plan, planner_data.strip_plan(local_plan))
+        return None if why is None else f"{entry.source} cannot be reused: {why}"
 
     def store(self, entry: CachedPlan) -> None:
         entry.local_plan = planner_data.strip_plan(entry.local_plan)
@@ -119,9 +174,12 @@ class PlanCache:
         ``planner`` is a fresh planner of the kind the saves will use, and
         ``writer`` the ``ObjectStoreWriter`` that assigns storage prefixes.
         Falls back (returns False, cache cleared) when the checkpoint was
-        written by another tool or with another world size.
+        written by another tool or with another world size; rank 0 warns
+        when it has plans that cannot be used.
         """
         compact = planner_data.read_compact(metadata)
+        url = metadata.storage_meta.checkpoint_id if metadata.storage_meta is not None else None
+        source = describe_source(str(url or "the checkpoint"), compact.get("torch_version") if compact else None)
         if compact is not None and len(compact["ranks"]) == world_size and default_global_step(planner):
             decoded = planner_data.decode_rank(compact, metadata, rank)
             if decoded is not None:
@@ -134,16 +192,17 @@ class PlanCache:
                         world_size=world_size,
                         metadata=self.global_metadata(metadata) if coordinator else None,
                         all_local_plans=compact if coordinator else None,
+                        source=source,
                     )
                 )
                 return True
         plans = planner_data.read_plans(metadata)
         if plans is None or len(plans) != world_size:
-            logger.info(
-                "checkpoint has %s persisted plans for world size %d: first save will plan in full",
-                "no" if plans is None else len(plans),
-                world_size,
-            )
+            if plans is None:
+                logger.info("%s has no persisted plans: the first save plans in full", url or "the checkpoint")
+            elif rank == 0:
+                logger.warning("%s cannot be reused: saved by %d ranks, loaded by %d; the first save plans in full",
+                               source, len(plans), world_size)
             self.clear()
             return False
         # Full plans (older checkpoints) or a planner with its own global step: redo it.
@@ -156,6 +215,7 @@ class PlanCache:
                 world_size=world_size,
                 metadata=global_metadata,
                 all_local_plans=list(plans),
+                source=source,
             )
         )
         return True
@@ -169,12 +229,14 @@ class PlanCache:
         world_size: int,
         planner: SavePlanner,
         global_state: concurrent.futures.Future | None = None,
+        source: str | None = None,
     ) -> bool:
         """Prime the cache from this rank's share of the resume index: its own plans, nothing of the job's.
 
         The coordinator also needs what it commits with (the global
         ``Metadata`` and the compact plans, O(W x N)): ``global_state``, a
         future of ``(metadata, compact)`` that ``lookup`` waits for.
+        ``source``: ``describe_source`` of the checkpoint, for the warning if the plans cannot be reused.
         """
         coordinator = rank == 0
         if local is None or final is None or (coordinator and global_state is None) or not default_global_step(planner):
@@ -186,6 +248,7 @@ class PlanCache:
                 central_plan=dataclasses.replace(final, storage_data=_StoragePrefix(f"__{rank}_")),
                 world_size=world_size,
                 pending=global_state if coordinator else None,
+                source=source,
             )
         )
         return True

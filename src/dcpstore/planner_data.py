@@ -38,6 +38,7 @@ same on every rank, and usually the same as the metadata's own.  So
      "ranks": [bytes] * W,        # zlib(int64 little-endian), one code per local item
      "planner_data": [distinct values],
      "planner_data_index": bytes, # int32 per rank: index into planner_data, -1: the metadata's own
+     "torch_version": str,        # the torch that wrote them (named when a restart cannot reuse them)
     }
 
 with ``code = fqn_index << 32 | chunk_index << 2 | is_shard << 1 | kept``:
@@ -57,6 +58,7 @@ import zlib
 from array import array
 from typing import Any, Sequence
 
+import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -221,8 +223,15 @@ def encode_plans(
         "ranks": ranks,
         "planner_data": pd_values,
         "planner_data_index": _pack(pd_index),
+        "torch_version": str(torch.__version__),  # a str: stock unpicklers refuse torch's TorchVersion
     }
     return compact
+
+
+def as_written_here(compact: dict[str, Any]) -> dict[str, Any]:
+    """``compact``, naming this process's torch as the one that wrote it (the plans held here, so they are this torch's too)."""
+    here = str(torch.__version__)
+    return compact if compact.get("torch_version") == here else {**compact, "torch_version": here}
 
 
 def _decodes_to(item: WriteItem, md: Any, j: int) -> bool:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import reprlib
 import zlib
 from typing import Any
 
@@ -61,18 +62,26 @@ from . import planner_data
 from .errors import CorruptCheckpointError, ObjectNotFoundError
 from .layout import METADATA_KEY, NONCE_KEY
 
-VERSION = 2
+VERSION = 3  # 3: TensorProperties by field name (torch 2.15 added one); 2 held five fields by position
 INDEX_TAG = "dcpstore-index"  # x-amz-meta of .metadata: "<offset>:<length>:<sha256>" of the directory
-MAX_DIRECTORY_BYTES = 64 << 20  # compressed and inflated; about 100 bytes a rank
-MAX_BLOCK_BYTES = 64 << 20  # compressed; a rank's block is tens of KB at 2,000 items
-MAX_BLOCK_JSON = 256 << 20  # inflated: a block that inflates past this is refused before it is parsed
+# Peak memory of reading one part stays under 256 MiB, whatever the bucket
+# holds: its bytes (compressed), the inflated text, and what parsing it
+# builds, estimated from the text before it is parsed (``_parse_bounded``).
+MAX_DIRECTORY_BYTES = 16 << 20  # compressed and inflated; about 100 bytes a rank
+MAX_BLOCK_BYTES = 16 << 20  # compressed; a rank's block is hundreds of KB at 2,000 items
+MAX_BLOCK_JSON = 48 << 20  # inflated: a block that inflates past this is refused before it is parsed
+MAX_PARSE_MEMORY = 160 << 20  # what json.loads of one part may build, by the estimate below
 # Chunks of one fqn in one rank's share: 1 for a DTensor or plain tensor, a
 # few for a LocalShardsWrapper.  The offsets of a MetadataIndex key hash
 # predictably (ints), so many chunks of one fqn could be made to collide.
 MAX_CHUNKS_PER_FQN = 1024
-_DTYPES = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)}
-_LAYOUTS = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.layout)}
-_MEMORY_FORMATS = {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.memory_format)}
+# torch's own value types that a TensorProperties field holds, stored by name; and
+# each one's values by name, from an explicit table (no attribute lookup on torch).
+_TORCH_ENUMS = {torch.dtype: "dtype", torch.layout: "layout", torch.memory_format: "memory_format"}
+_BY_NAME = {
+    kind: {str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, cls)}
+    for cls, kind in _TORCH_ENUMS.items()
+}
 
 
 class IndexUnusable(ValueError):
@@ -145,7 +154,10 @@ def build(metadata: Metadata, compact: dict[str, Any], checksums: dict, save_id:
                     ]
                 )
             block = {"fqns": block_fqns, "items": rows, "plan_data": encoded_pd[id(pd)]}
-            blocks.append(zlib.compress(json.dumps(block, separators=(",", ":")).encode(), 1))
+            text = json.dumps(block, separators=(",", ":")).encode()
+            if len(text) > MAX_BLOCK_JSON or parse_cost(text) > MAX_PARSE_MEMORY:
+                return None  # a block its reader would refuse (more items a rank than the bounds allow)
+            blocks.append(zlib.compress(text, 1))
     except (KeyError, IndexError, TypeError, ValueError, zlib.error):
         return None
     entries, offset = [], 0
@@ -157,6 +169,7 @@ def build(metadata: Metadata, compact: dict[str, Any], checksums: dict, save_id:
         "save_id": save_id,
         "world_size": len(blocks),
         "dcp_version": getattr(metadata, "version", None),
+        "torch_version": str(torch.__version__),
         "blocks": entries,
     }
     raw_directory = zlib.compress(json.dumps(directory, separators=(",", ":")).encode(), 1)
@@ -183,17 +196,24 @@ def _key(offsets: Any) -> tuple[int, ...] | None:
 def _fqn_row(fqn: str, md: Any) -> list[Any]:
     if isinstance(md, BytesStorageMetadata):
         return [fqn, "bytes"]
-    p = md.properties
-    return [
-        fqn,
-        "tensor",
-        list(md.size),
-        str(p.dtype).removeprefix("torch."),
-        str(p.layout).removeprefix("torch."),
-        bool(p.requires_grad),
-        str(p.memory_format).removeprefix("torch."),
-        bool(p.pin_memory),
-    ]
+    return [fqn, "tensor", list(md.size), _encode_properties(md.properties)]
+
+
+def _encode_properties(properties: TensorProperties) -> dict[str, Any]:
+    """Every field of ``properties``, by name: whatever fields this torch's ``TensorProperties`` has.
+
+    torch adds fields (2.15: ``strides``); a reader rebuilds exactly the
+    fields the writer had, or refuses one it does not know (``_decode_properties``).
+    """
+    encoded = {}
+    for field in dataclasses.fields(properties):
+        value = getattr(properties, field.name)
+        kind = _TORCH_ENUMS.get(type(value))
+        node = {kind: str(value).removeprefix("torch.")} if kind is not None else _encode_value(value)
+        if "unencodable" in node:
+            raise ValueError(f"TensorProperties.{field.name} is a {type(value).__name__}, which the index does not encode")
+        encoded[field.name] = node
+    return encoded
 
 
 # A plan's planner_data in JSON: str, int, float, bool, None, and lists,
@@ -263,8 +283,10 @@ def pointer_of(metadata: Metadata) -> dict[str, Any]:
     if pointer is None:
         raise IndexUnusable("the checkpoint has no resume index", damaged=False)
     save_id = metadata.storage_meta.save_id if metadata.storage_meta is not None else None
-    if not isinstance(pointer, dict) or pointer.get("version") != VERSION:
-        raise IndexUnusable("the resume index entry in .metadata is not one this dcpstore reads")
+    if not isinstance(pointer, dict):
+        raise IndexUnusable("the resume index entry in .metadata is malformed")
+    if pointer.get("version") != VERSION:
+        raise IndexUnusable(f"the resume index is version {pointer.get('version')!r}, this dcpstore reads {VERSION}", damaged=False)
     if pointer.get("save_id") != save_id or pointer.get("key") != index_key(str(save_id)):
         raise IndexUnusable("the resume index belongs to another save than this .metadata")
     return pointer
@@ -279,7 +301,9 @@ def read_directory(store, pointer: dict[str, Any], world_size: int | None) -> di
     key = pointer.get("key")
     directory = _read_part(store, key, pointer.get("directory"), MAX_DIRECTORY_BYTES, MAX_DIRECTORY_BYTES, "the directory")
     blocks = directory.get("blocks")
-    if directory.get("version") != VERSION or not isinstance(blocks, list):
+    if directory.get("version") != VERSION:
+        raise IndexUnusable(f"the resume index is version {directory.get('version')!r}, this dcpstore reads {VERSION}", damaged=False)
+    if not isinstance(blocks, list):
         raise IndexUnusable(f"{store.url_for(key)}: the directory is not one this dcpstore reads")
     if directory.get("save_id") != pointer["save_id"]:
         raise IndexUnusable(f"{store.url_for(key)}: the directory belongs to another save")
@@ -322,7 +346,7 @@ def _inflate(raw: bytes, digest: str, limit: int, what: str) -> dict[str, Any]:
         text = inflater.decompress(raw, limit)
         if inflater.unconsumed_tail:
             raise ValueError(f"inflates past {limit} bytes")
-        parsed = json.loads(text)
+        parsed = _parse_bounded(text)
     except (zlib.error, ValueError, RecursionError) as e:
         raise IndexUnusable(f"{what} does not parse ({e})") from None
     if not isinstance(parsed, dict):
@@ -330,10 +354,46 @@ def _inflate(raw: bytes, digest: str, limit: int, what: str) -> dict[str, Any]:
     return parsed
 
 
+def parse_cost(text: bytes) -> int:
+    """An upper bound of the bytes ``json.loads(text)`` builds, from a count of its tokens (C speed, no parse).
+
+    Bytes are what the bounds above are in, but what a parse builds depends
+    on what the bytes say: ``[[],[],...]`` builds a 56-byte list for every 3
+    bytes of text, ``[{"a":1000},...]`` 230 bytes for every 11.  Measured
+    per token on CPython 3.11 (each list, dict, string, element and key;
+    the weights are about twice the worst case seen).  The text itself is
+    decoded into a ``str`` first (one byte a character: the text is ASCII,
+    see ``_parse_bounded``), and its strings take one byte a character, or
+    four once an escape (``\\u...``) puts a character beyond the BMP in one.
+    A real block costs about 18 bytes of parse a byte of text.
+    """
+    return (
+        len(text) * (5 if b"\\u" in text else 2)
+        + 80 * text.count(b"[")
+        + 200 * text.count(b"{")
+        + 40 * text.count(b'"')
+        + 64 * text.count(b",")
+        + 72 * text.count(b":")
+    )
+
+
+def _parse_bounded(text: bytes) -> Any:
+    """``json.loads(text)``, refused first when it could build more than ``MAX_PARSE_MEMORY``.
+
+    ``json.dumps`` writes ASCII (``ensure_ascii``); other text is not an index this dcpstore wrote.
+    """
+    if not text.isascii():
+        raise ValueError("it is not ASCII")
+    cost = parse_cost(text)
+    if cost > MAX_PARSE_MEMORY:
+        raise ValueError(f"parsing it could take {cost >> 20} MiB of memory, more than the {MAX_PARSE_MEMORY >> 20} MiB allowed")
+    return json.loads(text)
+
+
 def rank_entry(directory: dict[str, Any], rank: int) -> dict[str, Any]:
     """What rank ``rank`` needs of the directory: its block's bounds and hash, not all W of them."""
     return {"key": directory["key"], "save_id": directory["save_id"], "dcp_version": directory.get("dcp_version"),
-            "rank": rank, "block": directory["blocks"][rank]}
+            "torch_version": directory.get("torch_version"), "rank": rank, "block": directory["blocks"][rank]}
 
 
 def read_block(store, entry: dict[str, Any]) -> dict[str, Any]:
@@ -390,7 +450,7 @@ class Share:
 def share_metadata(block: dict[str, Any], entry: dict[str, Any], url: str) -> Share:
     """The ``Metadata`` of one rank's share, and its plans; raises ``IndexUnusable`` on anything malformed."""
     try:
-        fqn_mds: list[tuple[str, Any]] = [_fqn_metadata(row) for row in block["fqns"]]
+        fqn_mds: list[tuple[str, Any]] = [_fqn_metadata(row, entry.get("torch_version")) for row in block["fqns"]]
         sdm: dict[str, Any] = dict(fqn_mds)
         storage_data: dict[MetadataIndex, _StorageInfo] = {}
         checksums: dict[MetadataIndex, int] = {}
@@ -449,25 +509,17 @@ def share_metadata(block: dict[str, Any], entry: dict[str, Any], url: str) -> Sh
 
 def _int(value: Any) -> int:
     if type(value) is not int or not 0 <= value < 1 << 63:
-        raise ValueError(f"{value!r} is not a non-negative 64-bit int")
+        raise ValueError(f"{reprlib.repr(value)} is not a non-negative 64-bit int")
     return value
 
 
 def _ints(values: Any) -> list[int]:
     if not isinstance(values, list):
-        raise ValueError(f"{values!r} is not a list")
+        raise ValueError(f"{reprlib.repr(values)} is not a list")
     return [_int(v) for v in values]
 
 
-def _named(name: Any, known: dict[str, Any], what: str) -> Any:
-    """A torch dtype, layout or memory format by name, from an explicit table (no attribute lookup on torch)."""
-    value = known.get(name) if isinstance(name, str) else None
-    if value is None:
-        raise ValueError(f"{name!r} is not a torch {what}")
-    return value
-
-
-def _fqn_metadata(row: list[Any]) -> tuple[str, Any]:
+def _fqn_metadata(row: list[Any], written_by: Any) -> tuple[str, Any]:
     fqn, kind = row[0], row[1]
     if not isinstance(fqn, str):
         raise ValueError("an fqn is not a string")
@@ -475,15 +527,36 @@ def _fqn_metadata(row: list[Any]) -> tuple[str, Any]:
         return fqn, BytesStorageMetadata()
     if kind != "tensor":
         raise ValueError(f"{fqn!r} has kind {kind!r}")
-    _, _, size, dtype, layout, requires_grad, memory_format, pin_memory = row
-    properties = TensorProperties(
-        dtype=_named(dtype, _DTYPES, "dtype"),
-        layout=_named(layout, _LAYOUTS, "layout"),
-        requires_grad=bool(requires_grad),
-        memory_format=_named(memory_format, _MEMORY_FORMATS, "memory format"),
-        pin_memory=bool(pin_memory),
+    _, _, size, properties = row
+    return fqn, TensorStorageMetadata(
+        properties=_decode_properties(properties, fqn, written_by), size=torch.Size(_ints(size)), chunks=[]
     )
-    return fqn, TensorStorageMetadata(properties=properties, size=torch.Size(_ints(size)), chunks=[])
+
+
+def _decode_properties(encoded: Any, fqn: str, written_by: Any) -> TensorProperties:
+    """The ``TensorProperties`` ``_encode_properties`` stored; raises ``IndexUnusable`` for a field this torch lacks.
+
+    A field this torch has and the writer's did not keeps its default: the
+    plan cache then names it if the plans differ (``plan_cache.plan_difference``).
+    """
+    if not isinstance(encoded, dict):
+        raise ValueError(f"the properties of {fqn!r} are not an object")
+    known = {field.name for field in dataclasses.fields(TensorProperties)}
+    fields = {}
+    for name, node in encoded.items():
+        if name not in known:
+            raise IndexUnusable(
+                f"{fqn!r}: TensorProperties.{name} (written by torch {written_by}) is not a field of torch {torch.__version__}'s"
+            )
+        try:
+            if isinstance(node, dict) and len(node) == 1 and next(iter(node)) in _BY_NAME:
+                (kind, value), = node.items()
+                fields[name] = _BY_NAME[kind][value]
+            else:
+                fields[name] = _decode_value(node)
+        except (KeyError, TypeError, IndexUnusable):
+            raise ValueError(f"TensorProperties.{name} of {fqn!r} is malformed ({reprlib.repr(node)})") from None
+    return TensorProperties(**fields)
 
 
 def covers(metadata: Metadata, flat_state_dict: dict[str, Any]) -> str | None:

@@ -6,7 +6,9 @@ counter, or two runs on one root all commit a lower number after a higher
 one.  So every commit of an ``AsyncCheckpointer`` records two things in its
 ``.metadata``:
 
-- its **sequence**: the highest sequence committed under the root, plus one;
+- its **sequence**: the highest sequence committed under the root, plus one,
+  read from storage at each commit (another run on the root may have
+  committed since this one last looked);
 - its **parent**: the step the job continued from, the last one it saved or
   loaded (``None`` for a job that started fresh).
 
@@ -25,7 +27,9 @@ The latest step is the newest commit.  Retention (``keep_last``) keeps the
 newest commit and its lineage first (its parent, the parent's parent, ...),
 then the newest of the rest: after a rollback to 200 and a save of 250, a
 window of two keeps 200 and 250 and drops the abandoned 300.  The step just
-committed is always the newest, so it is never pruned.
+committed is the newest, and its own retention keeps it even when another
+run committed with the same sequence in between: it is never pruned by the
+save that reported it committed.
 
 Failed saves leave debris: an incomplete step (shards, no ``.metadata``) and
 open multipart uploads.  Debris is only deleted once nothing under it is
@@ -50,6 +54,7 @@ from .layout import (
     open_uploads,
     parse_step,
 )
+from .errors import ObjectNotFoundError
 from .storage import MultipartUploadInfo, ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -84,10 +89,37 @@ class CommitOrder:
         """The records of the committed ``steps``, oldest commit first."""
         out = []
         for info in steps:
-            if info.prefix not in self._records:
-                self._records[info.prefix] = self._read(info)
-            out.append(self._records[info.prefix])
+            record = self._records.get(info.prefix)
+            if record is None:
+                record = self._records[info.prefix] = self._read(info.prefix, info.step, info.committed_at)
+            elif record.committed_at is None and info.committed_at is not None:
+                record = self._records[info.prefix] = dataclasses.replace(record, committed_at=info.committed_at)
+            out.append(record)
         return in_commit_order(out)
+
+    def newest(self, naming: StepNaming | None) -> tuple[int, int | None]:
+        """The highest sequence committed under the root now, and the highest committed step number.
+
+        What a commit must stand above, read from storage, not counted
+        locally: one listing of the root's step folders (not of every
+        object in them) and a HEAD of ``.metadata`` in each folder not
+        known to be committed.  A folder without one (a save in flight,
+        debris, a step just pruned) is passed over.
+        """
+        sequence, highest = 0, None
+        for prefix in self.store.list_folders():
+            step = parse_step(prefix, naming)
+            if step is None:
+                continue
+            record = self._records.get(prefix)
+            if record is None:
+                try:
+                    record = self._records[prefix] = self._read(prefix, step, None)
+                except ObjectNotFoundError:
+                    continue
+            sequence = max(sequence, record.sequence or 0)
+            highest = step if highest is None else max(highest, step)
+        return sequence, highest
 
     def remember(self, prefix: str, record: CommitRecord) -> None:
         self._records[prefix] = record
@@ -96,18 +128,15 @@ class CommitOrder:
         """``prefix`` was deleted: a step committed there later is another commit."""
         self._records.pop(prefix, None)
 
-    def next_sequence(self, records: list[CommitRecord]) -> int:
-        return 1 + max((r.sequence for r in records if r.sequence is not None), default=0)
-
-    def _read(self, info: StepInfo) -> CommitRecord:
-        child = self.store.child(info.prefix)
+    def _read(self, prefix: str, step: int, committed_at: float | None) -> CommitRecord:
+        child = self.store.child(prefix)
         try:
             tags = child.head(METADATA_KEY).metadata
             if SEQUENCE_KEY not in tags and not child.has_user_metadata:
                 tags = tags_in_object(child)[0]
         finally:
             child.close()
-        return CommitRecord(info.step, _int(tags.get(SEQUENCE_KEY)), _int(tags.get(PARENT_KEY)), info.committed_at)
+        return CommitRecord(step, _int(tags.get(SEQUENCE_KEY)), _int(tags.get(PARENT_KEY)), committed_at)
 
 
 def in_commit_order(records: list[CommitRecord]) -> list[CommitRecord]:

@@ -81,7 +81,7 @@ from .layout import METADATA_KEY
 from .reader import parse_metadata
 from .staging import StagedItems, resolve_item
 from .tensor_archive import save_tensor
-from .storage import ObjectStore, ObjectWriter, StoreOwner, TransferConfig, is_store_url
+from .storage import ObjectStore, ObjectWriter, StoreOwner, ThrottleClock, TransferConfig, is_store_url
 
 logger = logging.getLogger(__name__)
 
@@ -412,6 +412,9 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         # What an AsyncCheckpointer's commit records (see steps.CommitRecord): user metadata and planner_data.
         self.commit_tags: dict[str, str] = {}
         self.commit_record: dict[str, Any] | None = None
+        # When set (``time.monotonic()``): no .metadata PUT starts after it; the
+        # bound an AsyncCheckpointer's peers settle by (see ``commit``).
+        self.put_deadline: float | None = None
         self._index_key: str | None = None  # the resume index finish() wrote, deleted with the shards if not committed
         self._index_tags: dict[str, str] = {}  # what names that index on the commit (x-amz-meta)
 
@@ -504,7 +507,7 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.store.share_write_rate(world_size * len({name.rpartition("/")[0] for name in names}))
         # One budget for the save's throttling, shards and .metadata alike (see RetryPolicy).
-        self.store.save_deadline = time.monotonic() + self.transfer.retry.throttle_budget
+        self.store.save_throttle = ThrottleClock(self.transfer.retry.throttle_budget)
 
         # Staged items are host memory already; on the checkpointer's thread there is no caller's stream to follow.
         cuda_streams = {} if isinstance(planner, StagedItems) else caller_streams()
@@ -602,6 +605,7 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         plans = self.all_local_plans
         if planner_data.is_compact(plans):
             if planner_data.compact_matches(plans, metadata) and len(plans["ranks"]) == len(results):
+                plans = planner_data.as_written_here(plans)  # primed from a checkpoint another torch wrote
                 _remember_compact(metadata, None, plans)
                 return {planner_data.PLANS_KEY: plans}
             plans = None  # not this structure: treat as unknown
@@ -646,6 +650,12 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         if self.overwrite and self._replaced is None:
             self._replaced = self._read_replaced()  # planning ran elsewhere (e.g. a cached plan)
         replaced = self._replaced
+        if self.put_deadline is not None and time.monotonic() >= self.put_deadline:
+            # No PUT is sent: no .metadata of this save can appear, and the peers that stopped waiting know it.
+            raise DcpstoreError(
+                f"{self.store.url_for(METADATA_KEY)}: not written: the work before the commit took "
+                f"{time.monotonic() - self.put_deadline:.0f}s past the point its peers stop waiting for the coordinator"
+            )
         outcome, error = write_metadata(
             self.store, raw_metadata, self.save_id,
             replaced_etag=replaced.etag if replaced is not None else None, window=self.commit_window,

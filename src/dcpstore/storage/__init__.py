@@ -21,6 +21,7 @@ from .config import RetryPolicy, TransferConfig
 from .local import LocalObjectStore
 from .registry import StoreOwner, is_store_url, normalize_url, open_store
 from .s3 import S3ObjectStore
+from .throttle import ThrottleClock
 from .translate import is_retryable, translate_error
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "ObjectWriter",
     "RetryPolicy",
     "S3ObjectStore",
+    "ThrottleClock",
     "TransferConfig",
     "Tries",
     "is_retryable",

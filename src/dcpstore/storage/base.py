@@ -48,15 +48,19 @@ class ObjectHead:
 
 
 class Tries:
-    """What the attempts of one request came to: how many were sent, how many got no answer.
+    """What the attempts of one request came to: how many were sent, how many may have taken effect unseen.
 
     An attempt without an answer (a reset, a timeout) may still have taken
-    effect, or may yet: a caller that must know the outcome reads it back.
+    effect, or may yet; so may one answered with a server error (5xx): a
+    gateway in front of the store (nginx or HAProxy before MinIO or Ceph
+    RGW) answers 502/503/504 while the store goes on with the request, and
+    S3's own 500 InternalError does not say it did not.  A caller that must
+    know the outcome reads it back, after such an attempt has had time to land.
     """
 
     def __init__(self) -> None:
         self.count = 0
-        self.unanswered = 0
+        self.may_have_landed = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +101,10 @@ class ObjectStore:
         self.transfer = connection.transfer
         self._connection = connection
         self._lease = weakref.finalize(self, connection.release)
-        # When set (``time.monotonic()``), no throttled request of this store
-        # is retried past it: a save's one budget for throttling, set by
-        # ``ObjectStoreWriter.write_data``, not a budget per request.
-        self.save_deadline: float | None = None
+        # When set, no throttled request of this store is retried once it has
+        # run out: a save's one budget for throttling, shards and .metadata
+        # alike, set by ``ObjectStoreWriter.write_data`` (see ``throttle.ThrottleClock``).
+        self.save_throttle = None  # a throttle.ThrottleClock (throttle is the layer above this one)
 
     @classmethod
     def connect(cls, url: str, storage_options: dict[str, Any], transfer) -> tuple[Any, str]:
@@ -241,6 +245,18 @@ class ObjectStore:
             ]
 
         return sorted(self._retrying("LIST", prefix, op), key=lambda o: o.key)
+
+    def list_folders(self) -> list[str]:
+        """The names of the folders directly under the root (one listing, not of every object below them), sorted."""
+
+        def op():
+            try:
+                entries = self.fs.ls(self.root, detail=True)
+            except FileNotFoundError:
+                return []
+            return [self._relative(e["name"]).strip("/") for e in entries if e.get("type") == "directory"]
+
+        return sorted(self._retrying("LIST", "", op))
 
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:

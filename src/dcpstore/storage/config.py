@@ -21,11 +21,12 @@ class RetryPolicy:
     for as long as the load on it lasts, so a throttled request is not a
     failed one.  It slows the key range's request rate (``throttle``) and
     keeps trying for up to ``throttle_budget`` seconds from its first
-    throttled answer, and within one save for no longer than
-    ``throttle_budget`` from the start of the save's upload (one budget for
-    the save's shards and its ``.metadata``, not one per request); only
-    then does it raise ``ThrottledError``, naming the object and how long
-    it was throttled.
+    throttled answer, and within one save while the save has been throttled
+    for less than ``throttle_budget`` in all (one budget for the save's
+    shards and its ``.metadata``, not one per request; time spent uploading
+    unthrottled does not count, see ``throttle.ThrottleClock``); only then
+    does it raise ``ThrottledError``, naming the object and how long it was
+    throttled.
     """
 
     max_attempts: int = 5

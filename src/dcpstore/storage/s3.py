@@ -45,7 +45,7 @@ from .body import BufferSink, Segments, ViewBody, body_nbytes
 from .config import TransferConfig
 from .multipart import MultipartObjectWriter, put_in_parts
 from .throttle import RATES, RequestRate, key_range
-from .translate import gave_up, is_throttle, throttled_out
+from .translate import gave_up, is_throttle, may_have_taken_effect, paced_out, throttled_out
 
 logger = logging.getLogger(__name__)
 
@@ -114,14 +114,28 @@ def _client_environment() -> str:
 
 
 def _server(storage_options: dict[str, Any]) -> str:
-    """The endpoint a client made now with ``storage_options`` sends to, as botocore picks it (``"aws"``: S3's own)."""
-    return (
-        storage_options.get("endpoint_url")
-        or storage_options.get("client_kwargs", {}).get("endpoint_url")
-        or os.environ.get("AWS_ENDPOINT_URL_S3")
-        or os.environ.get("AWS_ENDPOINT_URL")
-        or "aws"
+    """The endpoint a client made now with ``storage_options`` sends to, as botocore picks it.
+
+    An explicit ``endpoint_url``, else botocore's own resolution: the
+    environment (``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``), the
+    profile's configuration (``endpoint_url``, or its ``services`` section),
+    then S3's regional endpoint.  Read from a client made for the purpose
+    (with placeholder keys, so no credential lookup), once per filesystem:
+    two profiles that point at two servers are paced apart.
+    """
+    explicit = storage_options.get("endpoint_url") or storage_options.get("client_kwargs", {}).get("endpoint_url")
+    if explicit:
+        return explicit
+    import botocore.session
+
+    session = botocore.session.Session(profile=storage_options.get("profile"))
+    client = session.create_client(
+        "s3",
+        region_name=storage_options.get("client_kwargs", {}).get("region_name"),
+        aws_access_key_id="placeholder",
+        aws_secret_access_key="placeholder",
     )
+    return client.meta.endpoint_url
 
 
 class S3ObjectStore(ObjectStore):
@@ -155,9 +169,10 @@ class S3ObjectStore(ObjectStore):
                 ours, theirs = client_config(transfer), options.get("config_kwargs", {})
                 options["config_kwargs"] = {**ours, **theirs, "s3": {**ours["s3"], **theirs.get("s3", {})}}
                 options.setdefault("skip_instance_cache", True)
+                server = _server(storage_options)  # before anything is kept: a bad profile raises here, every time
                 fs = url_to_fs(f"{protocol}://{rest.partition('/')[0]}", options)[0]
                 _filesystems[key] = (environment, fs)
-                _servers[id(fs)] = _server(storage_options)
+                _servers[id(fs)] = server
                 weakref.finalize(fs, _servers.pop, id(fs), None)
         return fs, rest
 
@@ -197,6 +212,7 @@ class S3ObjectStore(ObjectStore):
         into: tuple[Any, int, int] | None = None,
         tries: Tries | None = None,
         deadline: float | None = None,
+        in_save: bool = True,
         **kwargs,
     ) -> Any:
         """One S3 request under the retry policy: the only retry loop a request goes through.
@@ -208,67 +224,77 @@ class S3ObjectStore(ObjectStore):
         connection cut mid-body is retried like any other transient error;
         with ``into``, a ``(sink, offset, limit)``, the body lands in the sink
         (see ``_read_into``) and ``resp["Body"]`` is the number of bytes it held.
-        ``tries`` records how many attempts were sent and how many got no
-        answer, which tells a caller whether one may have taken effect
-        unseen.  No attempt starts after ``deadline`` (``time.monotonic()``).
+        ``tries`` records how many attempts were sent and how many may have
+        taken effect unseen (no answer, or a 5xx).  No attempt starts after ``deadline`` (``time.monotonic()``).
 
         Every attempt first waits for a send slot of its key range's rate
         (``throttle``).  A throttled answer lowers that rate and is retried
-        for up to ``RetryPolicy.throttle_budget`` seconds, and not past the
-        store's ``save_deadline``, not counted against ``max_attempts``,
-        which bounds every other retryable error.
+        for up to ``RetryPolicy.throttle_budget`` seconds, and not once the
+        store's ``save_throttle`` has run out (unless ``in_save`` is false: a
+        background abort after the save), not counted against
+        ``max_attempts``, which bounds every other retryable error.
         """
         rate = self._rate(key, method)
+        clock = self.save_throttle if in_save else None  # this save's, even if the next save's replaces it meanwhile
         throttled_since, failures, last_error = None, 0, None
-        for attempt in itertools.count():
-            sent_at = await rate.acquire()
-            if last_error is not None:
-                throttled = is_throttle(last_error)
-                stop_at = min(deadline or math.inf, (self.save_deadline or math.inf) if throttled else math.inf)
-                if time.monotonic() >= stop_at:
-                    # The pace held this retry past the deadline: nothing is sent after it.
-                    url = self.url_for(key)
-                    if throttled:
-                        raise throttled_out(op, url, time.monotonic() - throttled_since, attempt, last_error) from last_error
-                    raise gave_up(op, url, attempt, last_error) from last_error
-            if tries is not None:
-                tries.count = attempt + 1
-            try:
-                client = await self._s3()
-                if body is not None:
-                    kwargs["Body"] = _as_body(body)
-                    resp = await asyncio.wait_for(getattr(client, method)(**kwargs), self._send_deadline(body))
-                else:
-                    resp = await getattr(client, method)(**kwargs)
-                if read_body:
-                    async with resp["Body"] as stream:
-                        resp["Body"] = await (stream.read() if into is None else _read_into(stream, *into))
-                    if into is not None:
+        held = False  # this request holds the save's throttle clock: a throttled answer, and its retry not yet sent
+        try:
+            for attempt in itertools.count():
+                asked_at = time.monotonic()
+                sent_at = await rate.acquire()
+                if last_error is None and time.monotonic() >= (deadline or math.inf):
+                    raise paced_out(op, self.url_for(key), time.monotonic() - asked_at)
+                if last_error is not None:
+                    throttled = is_throttle(last_error)
+                    out_of_budget = throttled and clock is not None and clock.exhausted()
+                    if out_of_budget or time.monotonic() >= (deadline or math.inf):
+                        # The pace held this retry past the deadline or the budget: nothing is sent after it.
+                        url = self.url_for(key)
+                        if throttled:
+                            raise throttled_out(op, url, time.monotonic() - throttled_since, attempt, last_error) from last_error
+                        raise gave_up(op, url, attempt, last_error) from last_error
+                if held:
+                    clock.release()  # the retry goes out: sending is not being throttled
+                    held = False
+                if tries is not None:
+                    tries.count = attempt + 1
+                try:
+                    client = await self._s3()
+                    if body is not None:
+                        kwargs["Body"] = _as_body(body)
+                        resp = await asyncio.wait_for(getattr(client, method)(**kwargs), self._send_deadline(body))
+                    else:
+                        resp = await getattr(client, method)(**kwargs)
+                    if read_body:
+                        async with resp["Body"] as stream:
+                            resp["Body"] = await (stream.read() if into is None else _read_into(stream, *into))
                         self._check_body_length(key, kwargs.get("Range"), resp)
-                rate.succeeded()
-                return resp
-            except Exception as e:  # noqa: BLE001 - classified below and by _retry_delay
-                last_error = e
-                if tries is not None and not isinstance(getattr(e, "response", None), dict):
-                    tries.unanswered += 1
-                now = time.monotonic()
-                if is_throttle(e):
-                    # Paced by the key range's lowered rate, not by a backoff of its own.
-                    rate.throttled(sent_at)
-                    throttled_since = sent_at if throttled_since is None else throttled_since
-                    budget_end = min(
-                        throttled_since + self.transfer.retry.throttle_budget,
-                        self.save_deadline or math.inf,
-                        deadline or math.inf,
-                    )
-                    if now >= budget_end:
-                        raise throttled_out(op, self.url_for(key), now - throttled_since, attempt + 1, e) from e
-                    continue
-                delay = self._retry_delay(op, key, failures, e)
-                if deadline is not None and now + delay >= deadline:
-                    raise gave_up(op, self.url_for(key), attempt + 1, e) from e
-                await asyncio.sleep(delay)
-                failures += 1
+                    rate.succeeded()
+                    return resp
+                except Exception as e:  # noqa: BLE001 - classified below and by _retry_delay
+                    last_error = e
+                    if tries is not None and may_have_taken_effect(e):
+                        tries.may_have_landed += 1
+                    now = time.monotonic()
+                    if is_throttle(e):
+                        # Paced by the key range's lowered rate, not by a backoff of its own.
+                        rate.throttled(sent_at)
+                        throttled_since = sent_at if throttled_since is None else throttled_since
+                        if clock is not None:
+                            clock.hold()  # the save's throttle budget runs until the retry is sent
+                            held = True
+                        budget_end = min(throttled_since + self.transfer.retry.throttle_budget, deadline or math.inf)
+                        if now >= budget_end or (clock is not None and clock.exhausted()):
+                            raise throttled_out(op, self.url_for(key), now - throttled_since, attempt + 1, e) from e
+                        continue
+                    delay = self._retry_delay(op, key, failures, e)
+                    if deadline is not None and now + delay >= deadline:
+                        raise gave_up(op, self.url_for(key), attempt + 1, e) from e
+                    await asyncio.sleep(delay)
+                    failures += 1
+        finally:
+            if held:
+                clock.release()
 
     @functools.cached_property
     def rate_scope(self) -> tuple[str, str]:
@@ -301,11 +327,15 @@ class S3ObjectStore(ObjectStore):
         if asked is None:
             return
         start, _, end = asked.removeprefix("bytes=").partition("-")
+        total = (resp.get("ContentRange") or "").rpartition("/")[2]
+        if not end:  # an open range: the rest of the object, as long as Content-Range says it is
+            if not total.isdigit():
+                return  # a whole-object 200 from a server that ignores Range: nothing to check against
+            end = str(int(total) - 1)
         wanted = int(end) + 1 - int(start)
-        received = resp["Body"]
+        received = resp["Body"] if isinstance(resp["Body"], int) else len(resp["Body"])
         if received >= wanted:
             return
-        total = (resp.get("ContentRange") or "").rpartition("/")[2]
         if total.isdigit() and int(total) <= int(end):
             raise CorruptCheckpointError(
                 f"{self.url_for(key)}: object is truncated: it holds {total} bytes, "
@@ -400,7 +430,7 @@ class S3ObjectStore(ObjectStore):
                 return head["Metadata"][WRITE_TOKEN_KEY] == token
             if int(head["ContentLength"]) != memoryview(data).nbytes:
                 return False
-            return await self._get_object(key) == bytes(data)
+            return (await self._get_whole(key))["Body"] == bytes(data)
         except ObjectNotFoundError:
             return False
 
@@ -416,8 +446,7 @@ class S3ObjectStore(ObjectStore):
         refuse_unless_condition_holds(self.url_for(key), await self._etag(key), if_none_match, if_match)
 
     def get_with_etag(self, key: str) -> tuple[bytes, str | None]:
-        bucket, path = self._split(key)
-        resp = self._run(self._call("GET", key, "get_object", read_body=True, Bucket=bucket, Key=path))
+        resp = self._run(self._get_whole(key))
         return resp["Body"], resp.get("ETag")
 
     def get_range_async(self, key: str, start: int, end: int, sink=None) -> concurrent.futures.Future:
@@ -460,12 +489,21 @@ class S3ObjectStore(ObjectStore):
 
     def get(self, key: str) -> bytes:
         # One GET, no HEAD first: a HEAD's 404 cannot tell a missing bucket from a missing key.
-        return self._run(self._get_object(key))
+        return self._run(self._get_whole(key))["Body"]
 
-    async def _get_object(self, key: str) -> bytes:
+    async def _get_whole(self, key: str) -> dict:
+        """The whole object: one GET of the open range ``bytes=0-``, so its answer says how long the object is.
+
+        A 200 whose body and Content-Length were both cut short (a broken
+        middlebox) looks whole; a 206 still carries the object's size in
+        ``Content-Range``, so a short body is retried (``_check_body_length``).
+        An empty object has no byte 0 (416): it is read with a plain GET.
+        """
         bucket, path = self._split(key)
-        resp = await self._call("GET", key, "get_object", read_body=True, Bucket=bucket, Key=path)
-        return resp["Body"]
+        try:
+            return await self._call("GET", key, "get_object", read_body=True, Bucket=bucket, Key=path, Range="bytes=0-")
+        except CorruptCheckpointError:  # InvalidRange: the object is empty
+            return await self._call("GET", key, "get_object", read_body=True, Bucket=bucket, Key=path)
 
     def exists(self, key: str) -> bool:
         try:
@@ -485,7 +523,9 @@ class S3ObjectStore(ObjectStore):
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         return self._run(self._list(prefix))
 
-    async def _pages(self, op: str, prefix: str, method: str, continuation: dict[str, str], folder: bool = True):
+    async def _pages(
+        self, op: str, prefix: str, method: str, continuation: dict[str, str], folder: bool = True, **extra: Any
+    ):
         """Every page of a paginated listing under ``prefix`` (a folder, or any key prefix).
 
         ``continuation`` maps each request parameter to the response field
@@ -494,7 +534,7 @@ class S3ObjectStore(ObjectStore):
         at the page that failed.
         """
         bucket, path = self._split(prefix.strip("/"))
-        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": f"{path}/" if path and folder else path}
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Prefix": f"{path}/" if path and folder else path, **extra}
         while True:
             resp = await self._call(op, prefix, method, **kwargs)
             yield bucket, resp
@@ -515,6 +555,16 @@ class S3ObjectStore(ObjectStore):
                     )
                 )
         return sorted(out, key=lambda o: o.key)
+
+    def list_folders(self) -> list[str]:
+        return self._run(self._list_folders())
+
+    async def _list_folders(self) -> list[str]:
+        out = []
+        continuation = {"ContinuationToken": "NextContinuationToken"}
+        async for bucket, resp in self._pages("LIST", "", "list_objects_v2", continuation, Delimiter="/"):
+            out.extend(self._relative(f"{bucket}/{p['Prefix']}").strip("/") for p in resp.get("CommonPrefixes", []))
+        return sorted(out)
 
     def delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)
@@ -548,10 +598,13 @@ class S3ObjectStore(ObjectStore):
     def abort_upload(self, key: str, upload_id: str) -> None:
         self._run(self._abort(key, upload_id))
 
-    async def _abort(self, key: str, upload_id: str) -> None:
+    async def _abort(self, key: str, upload_id: str, *, in_save: bool = True) -> None:
+        """Abort an upload; ``in_save=False``: after the save, not bounded by its spent throttle budget."""
         bucket, path = self._split(key)
         try:
-            await self._call("ABORT", key, "abort_multipart_upload", Bucket=bucket, Key=path, UploadId=upload_id)
+            await self._call(
+                "ABORT", key, "abort_multipart_upload", in_save=in_save, Bucket=bucket, Key=path, UploadId=upload_id
+            )
         except ObjectNotFoundError:
             pass  # already completed or aborted
 
@@ -569,7 +622,7 @@ class S3ObjectStore(ObjectStore):
         for _ in range(ABORT_ROUNDS):
             await asyncio.sleep(random.uniform(delay / 2, delay))
             try:
-                return await self._abort(key, upload_id)
+                return await self._abort(key, upload_id, in_save=False)
             except Exception as e:  # noqa: BLE001 - the next round, or settle_aborts, says so
                 error = e
         raise error
@@ -584,7 +637,7 @@ class S3ObjectStore(ObjectStore):
             except Exception:  # noqa: BLE001 - once more, now
                 pass
             try:
-                self._run(owner._abort(key, upload_id))
+                self._run(owner._abort(key, upload_id, in_save=False))
             except Exception as e:  # noqa: BLE001
                 logger.warning(
                     "%s: multipart upload %s could not be aborted (%s); it holds storage until "

@@ -127,6 +127,47 @@ class RequestRate:
             self._next_slot = max(self._next_slot, now + 1.0 / self.rate)
 
 
+class ThrottleClock:
+    """How long one save has been throttled: the time during which at least one of its requests was held by throttling.
+
+    A request is held from a throttled answer until its retry is sent.  A
+    save's budget for throttling (``RetryPolicy.throttle_budget``) runs on
+    this clock, not on the wall clock from the start of its upload: an
+    upload that simply takes long (large shards, a shared link) has used
+    none of it.  Concurrent throttled requests count once (a union of
+    intervals, not a sum): a save of 64 parts throttled together for a
+    second has been throttled for a second.
+    """
+
+    def __init__(self, budget: float) -> None:
+        self.budget = budget
+        self._lock = threading.Lock()
+        self._held = 0  # requests of the save now waiting on a throttled answer
+        self._since = 0.0  # when _held last rose from 0
+        self._spent = 0.0  # throttled seconds before that
+
+    def hold(self) -> None:
+        """A request of the save was throttled: the clock runs (if it was not already) until it is released."""
+        with self._lock:
+            if self._held == 0:
+                self._since = time.monotonic()
+            self._held += 1
+
+    def release(self) -> None:
+        """That request is done: answered, or given up."""
+        with self._lock:
+            self._held -= 1
+            if self._held == 0:
+                self._spent += time.monotonic() - self._since
+
+    def spent(self) -> float:
+        with self._lock:
+            return self._spent + (time.monotonic() - self._since if self._held else 0.0)
+
+    def exhausted(self) -> bool:
+        return self.spent() >= self.budget
+
+
 class RateBook:
     """The process's request rates, by (connection scope, key range, read or write)."""
 

@@ -78,6 +78,19 @@ def is_throttle(exc: BaseException) -> bool:
     return code in _THROTTLE_CODES or status in (429, 503)
 
 
+def may_have_taken_effect(exc: BaseException) -> bool:
+    """Whether a request that failed with ``exc`` may still have taken effect (see ``base.Tries``).
+
+    No answer at all (a reset, a timeout), or a server error (5xx): a
+    gateway answers 502/503/504 while the store behind it may still complete
+    the request, and S3's 500 InternalError does not say it did not.  A 4xx
+    is the store's own refusal.  Every 5xx counts, SlowDown too: a client
+    cannot tell the store's answer from a gateway's.
+    """
+    code, status, _ = _error_code(exc)
+    return status is None or status >= 500
+
+
 def is_retryable(exc: BaseException) -> bool:
     """Throttling, 5xx but 501, connection resets and timeouts are worth another try.
 
@@ -145,6 +158,13 @@ def _cause(exc: BaseException) -> str:
 def gave_up(op: str, url: str, attempts: int, exc: BaseException) -> TransientStorageError:
     """The error of a request whose every attempt failed with a retryable error."""
     return TransientStorageError(f"{op} {url} failed after {attempts} attempt(s): {_cause(exc)}")
+
+
+def paced_out(op: str, url: str, waited: float) -> TransientStorageError:
+    """The error of a request whose first send slot came after its deadline: it was never sent."""
+    return TransientStorageError(
+        f"{op} {url} was not sent: its key range's request rate held it {waited:.1f}s, past its deadline"
+    )
 
 
 def throttled_out(op: str, url: str, seconds: float, attempts: int, exc: BaseException) -> ThrottledError:
