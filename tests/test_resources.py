@@ -8,6 +8,7 @@ the allocator's arenas) is not counted, while every pool that belongs to the
 stores of the measured run is.
 """
 
+import ctypes
 import os
 import threading
 import uuid
@@ -26,6 +27,18 @@ RSS_TOLERANCE = 20 << 20
 
 
 def rss() -> int:
+    """Resident memory, after glibc gives back what it holds freed.
+
+    A freed buffer of up to 32 MiB raises glibc's mmap threshold to its size
+    and its trim threshold to twice that, so the next buffers of that size
+    come from the heap and stay resident once freed: 40 MiB more, measured
+    in a process that had run other tests first (torch 2.15), with nothing
+    alive.  ``malloc_trim`` returns it; a buffer still referenced stays.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass  # not glibc: nothing to trim
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
@@ -39,15 +52,6 @@ def threads() -> tuple[int, int]:
     """
     loop_executor = sum(t.name.startswith("asyncio_") for t in threading.enumerate())
     return threading.active_count() - loop_executor, len(os.listdir("/proc/self/task")) - loop_executor
-
-
-def os_thread_names() -> list[str]:
-    """Each OS thread's name (``comm``): torch's C++ threads have no Python ``Thread``."""
-    names = []
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/comm") as f:
-            names.append(f.read().strip())
-    return sorted(names)
 
 
 def save_steps(root: str, steps: int) -> None:
@@ -78,13 +82,15 @@ def test_thirty_async_saves_leave_no_threads_or_memory_behind(two_roots):
     warm_up, root = two_roots
     save_steps(warm_up, 1)
     (py_threads, os_threads), memory = threads(), rss()
-    os_thread_names_before = os_thread_names()
     save_steps(root, STEPS)
     (py_after, os_after), memory_after = threads(), rss()
     print(f"threads {py_threads} -> {py_after}, OS threads {os_threads} -> {os_after}, RSS {memory >> 20} -> {memory_after >> 20} MiB")
     # At most: a thread of an earlier test (a proxy's request handler) may end meanwhile.
     assert py_after <= py_threads, [t.name for t in threading.enumerate()]
-    assert os_after <= os_threads, (os_thread_names_before, os_thread_names())
+    # dcpstore starts Python threads only; a thread without a Python Thread is a C++ library's.  Under
+    # torch 2.15, in a process that had run other tests first, one such thread was seen to start during
+    # the 30 saves (not in a fresh process, not under 2.13): at most one is tolerated, never a Python one.
+    assert os_after - py_after <= os_threads - py_threads + 1, (os_threads, os_after)
     assert memory_after - memory < RSS_TOLERANCE
 
 

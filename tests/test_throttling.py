@@ -10,6 +10,7 @@ floor a test can hold.
 """
 
 import asyncio
+import math
 import os
 import threading
 import time
@@ -222,7 +223,7 @@ def test_growth_probes_faster_the_longer_a_range_sends_unthrottled_and_idle_time
     def send(rate, seconds_apart):
         """One request ``seconds_apart`` after the last (never sooner than its slot): its send time."""
         clock[0] += seconds_apart
-        return asyncio.run(rate.acquire())
+        return asyncio.run(rate.acquire())[0]
 
     rate = throttle.RequestRate(10.0)
     rate.throttled(send(rate, 0.2))
@@ -231,22 +232,63 @@ def test_growth_probes_faster_the_longer_a_range_sends_unthrottled_and_idle_time
 
     send(rate, 0.2)
     before = rate.rate
-    rate.succeeded()
+    rate.succeeded(paced=True)
     fresh = rate.rate / before - 1  # right after a cut: GROWTH per success
     assert fresh == pytest.approx(throttle.RequestRate.GROWTH, rel=0.1)
 
     for _ in range(100):  # 20 s of sending, unthrottled
         send(rate, 0.2)
     before = rate.rate
-    rate.succeeded()
+    rate.succeeded(paced=True)
     probing = rate.rate / before - 1
     assert probing > 10 * fresh  # 2 ** (20 / PROBE_DOUBLING) = 16 times
 
     rate.throttled(send(rate, 0.2))
     send(rate, 600.0)  # idle between two saves: not probing
     before = rate.rate
-    rate.succeeded()
+    rate.succeeded(paced=True)
     assert rate.rate / before - 1 < 2 * fresh
+
+
+def test_a_week_of_saves_keeps_every_rate_finite_and_grows_it_only_where_the_pace_was_the_limit(monkeypatch):
+    """On a fake clock: a week of requests, unthrottled, at low demand and at demand above the rate.
+
+    Before, a range whose demand stayed below its rate grew on every success
+    (to ``inf`` after 1,164 successes at 5 requests/s), and ``2 ** (probing /
+    5)`` raised ``OverflowError`` once a range had sent for 5,120 s without
+    a throttled answer, failing requests S3 had answered 200.
+    """
+    clock = [0.0]
+
+    async def sleep(seconds):
+        clock[0] += seconds
+
+    monkeypatch.setattr(throttle, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(throttle, "asyncio", types.SimpleNamespace(sleep=sleep))
+
+    def request(rate, demand_gap):
+        """One request ``demand_gap`` after the last, answered 200 (the fake sleep never suspends)."""
+        clock[0] += demand_gap
+        coroutine = rate.acquire()
+        try:
+            coroutine.send(None)
+        except StopIteration as done:
+            _, paced = done.value
+        rate.succeeded(paced)
+
+    week = 7 * 24 * 3600.0
+    low = throttle.RequestRate(50.0)  # demand 0.25/s: never held back by its pace
+    while clock[0] < week:
+        request(low, 4.0)
+    assert low.rate == 50.0
+
+    high = throttle.RequestRate(0.2)  # demand 1/s: the pace is the limit until the rate passes the demand
+    start = clock[0]
+    while clock[0] < start + week:
+        request(high, 1.0)
+    # It stops growing once it passes the demand: the last paced successes may each double it (probing).
+    assert 1.0 <= high.rate <= 4 * 1.0 and math.isfinite(high.rate)
+    assert high.rate <= throttle.RequestRate.CEILING
 
 
 def test_a_background_abort_is_not_bound_by_the_saves_spent_throttle_budget(bucket, s3, proxy):

@@ -503,3 +503,12 @@ def test_code_written_for_torchs_fsspec_classes_runs_with_their_arguments(bucket
         dcpstore.ObjectStoreWriter(url, serialization_format=SerializationFormat.SAFETENSORS)
     with pytest.raises(ValueError, match="not both"):
         dcpstore.ObjectStoreWriter(url, objects_per_rank=2, thread_count=2)
+
+
+@pytest.mark.parametrize("cls,typo", [(dcpstore.ObjectStoreWriter, "comit_window"), (dcpstore.ObjectStoreReader, "readahead")])
+def test_a_mistyped_keyword_fails_and_names_the_valid_ones(cls, typo, bucket):
+    """Any other keyword is a storage option (as FsspecWriter's are), but fsspec takes any keyword: a typo would vanish."""
+    with pytest.raises(TypeError, match=rf"{cls.__name__} got unexpected keyword argument\(s\) '{typo}': .*commit_window|readahead_bytes") as e:
+        cls(f"s3://{bucket}/ckpt", **{typo: 1})
+    assert "endpoint_url" in str(e.value) and "profile" in str(e.value)  # the storage options it does take
+    cls(f"s3://{bucket}/ckpt", use_ssl=False, default_block_size=1 << 20).reset()  # real s3fs options still pass

@@ -61,7 +61,7 @@ from .safe_pickle import check_bytes_item, loads_metadata
 from .load_buffers import LoadBuffers, aligned
 from .scatter import DestinationClaims, ItemLanding, RangeScatter, destination_bytes
 from .tensor_archive import load_tensor
-from .storage import ObjectStore, StoreOwner, TransferConfig, is_store_url
+from .storage import ObjectStore, StoreOwner, TransferConfig, check_keywords, is_store_url
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +132,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         **fsspec_options: Any,
     ):
         super().__init__()
+        check_keywords(ObjectStoreReader, url, fsspec_options)
         self.state_dict = state_dict
         self.transforms = _StorageReaderTransforms(_extension_registry)
         self.storage_options = {**(storage_options or {}), **fsspec_options}

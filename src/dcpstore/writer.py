@@ -81,7 +81,7 @@ from .layout import METADATA_KEY
 from .reader import parse_metadata
 from .staging import StagedItems, resolve_item
 from .tensor_archive import save_tensor
-from .storage import ObjectStore, ObjectWriter, StoreOwner, ThrottleClock, TransferConfig, is_store_url
+from .storage import ObjectStore, ObjectWriter, StoreOwner, ThrottleClock, TransferConfig, check_keywords, is_store_url
 
 logger = logging.getLogger(__name__)
 
@@ -340,7 +340,9 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
     * ``serialization_format``: only ``SerializationFormat.TORCH_SAVE``, the
       default; others raise ``ValueError``.
     * any other keyword: a storage option, as ``FsspecWriter`` passes its
-      ``**kwargs`` to fsspec (merged into ``storage_options``).
+      ``**kwargs`` to fsspec (merged into ``storage_options``); one that the
+      URL's filesystem does not take (a typo) raises ``TypeError`` listing
+      the valid ones.
     """
 
     def __init__(
@@ -363,6 +365,7 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         **fsspec_options: Any,
     ):
         super().__init__()
+        check_keywords(ObjectStoreWriter, url, fsspec_options)
         if thread_count is not None and objects_per_rank is not None:
             raise ValueError("give objects_per_rank or FsspecWriter's thread_count, not both")
         objects_per_rank = next((n for n in (thread_count, objects_per_rank) if n is not None), DEFAULT_OBJECTS_PER_RANK)

@@ -19,7 +19,7 @@ Layers, top down:
 from .base import MultipartUploadInfo, ObjectHead, ObjectInfo, ObjectStore, ObjectWriter, Tries
 from .config import RetryPolicy, TransferConfig
 from .local import LocalObjectStore
-from .registry import StoreOwner, is_store_url, normalize_url, open_store
+from .registry import StoreOwner, check_keywords, is_store_url, normalize_url, open_store
 from .s3 import S3ObjectStore
 from .throttle import ThrottleClock
 from .translate import is_retryable, translate_error
@@ -36,6 +36,7 @@ __all__ = [
     "ThrottleClock",
     "TransferConfig",
     "Tries",
+    "check_keywords",
     "is_retryable",
     "is_store_url",
     "normalize_url",

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import weakref
 from typing import Any
 
 import fsspec
+from aiobotocore.session import AioSession
+from fsspec.dircache import DirCache
 
 from .base import ObjectStore, url_to_fs
 from .config import TransferConfig
@@ -36,6 +39,45 @@ def normalize_url(url: str | os.PathLike) -> str:
     if protocol is not None and not rest.strip("/"):
         raise ValueError(f"{text!r}: the URL names no location after {protocol}://")
     return text.rstrip("/")
+
+
+def storage_option_names(url: str | os.PathLike) -> set[str]:
+    """The keywords the fsspec filesystem for ``url`` takes: its classes' ``__init__`` parameters and fsspec's own.
+
+    fsspec accepts any keyword (``AbstractFileSystem.__init__(**storage_options)``),
+    so a mistyped one would pass unnoticed; these are the ones it uses.
+    """
+    protocol = fsspec.core.split_protocol(str(url))[0] or "file"
+    names = {"skip_instance_cache"}  # taken by fsspec's instance cache, before any __init__
+    # s3fs hands the keywords it does not take itself to its botocore session (``profile``, ...).
+    session = (AioSession,) if protocol in S3_SCHEMES else ()
+    for cls in (*fsspec.get_filesystem_class(protocol).__mro__, DirCache, *session):
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            continue
+        names.update(
+            p.name for p in inspect.signature(init).parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"
+        )
+    return names
+
+
+def check_keywords(owner: type, url: str | os.PathLike, options: dict[str, Any]) -> None:
+    """``TypeError`` naming every keyword in ``options`` (the ``**kwargs`` of ``owner``) that is not a storage option of ``url``'s filesystem.
+
+    The message lists both: ``owner``'s own keywords and the storage options.
+    """
+    known = storage_option_names(url)
+    unknown = sorted(set(options) - known)
+    if unknown:
+        own = [
+            p.name for p in inspect.signature(owner.__init__).parameters.values()
+            if p.kind is p.KEYWORD_ONLY and not p.name.startswith("_")
+        ]
+        raise TypeError(
+            f"{owner.__name__} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}: neither its own "
+            f"({', '.join(own)}) nor a storage option of {url}'s filesystem ({', '.join(sorted(known))})"
+        )
 
 
 def is_store_url(url: str | os.PathLike) -> bool:

@@ -241,7 +241,7 @@ class S3ObjectStore(ObjectStore):
         try:
             for attempt in itertools.count():
                 asked_at = time.monotonic()
-                sent_at = await rate.acquire()
+                sent_at, paced = await rate.acquire()
                 if last_error is None and time.monotonic() >= (deadline or math.inf):
                     raise paced_out(op, self.url_for(key), time.monotonic() - asked_at)
                 if last_error is not None:
@@ -269,7 +269,7 @@ class S3ObjectStore(ObjectStore):
                         async with resp["Body"] as stream:
                             resp["Body"] = await (stream.read() if into is None else _read_into(stream, *into))
                         self._check_body_length(key, kwargs.get("Range"), resp)
-                    rate.succeeded()
+                    rate.succeeded(paced)
                     return resp
                 except Exception as e:  # noqa: BLE001 - classified below and by _retry_delay
                     last_error = e

@@ -11,8 +11,10 @@ So every S3 request first takes a send slot from the ``RequestRate`` of its
 key range: reads and writes apart, shared by every store and thread of the
 process.  A throttled answer cuts the rate by ``BETA`` (once per round of
 requests: answers to requests sent before the cut do not cut again), every
-success raises it by ``GROWTH`` of itself, more the longer the range has
-gone unthrottled, as TCP's congestion control probes for capacity.
+success of a request that waited for its slot raises it by ``GROWTH`` of
+itself, more the longer the range has gone unthrottled, as TCP's congestion
+control probes for capacity; a success that went out unpaced says nothing
+about the capacity, and the rate stays finite (``RequestRate.succeeded``).
 botocore's adaptive retry mode does the same per client with a cubic curve,
 but it paces a whole client (every bucket and key range alike) and only
 inside botocore's retry handler, which dcpstore turns off to keep one retry
@@ -71,7 +73,11 @@ class RequestRate:
     # while ranks that are throttled every few seconds, as at a fair share
     # under load, never get past a few percent per success.
     PROBE_DOUBLING = 5.0
+    MAX_DOUBLINGS = 8  # 2**8 x GROWTH > 1: growth per success is already at its cap of doubling there
     FLOOR = 0.2  # requests/s a cut never goes below (unless the range started lower)
+    # Far above what one process sends to one key range (S3 admits 3,500
+    # writes/s and 5,500 reads/s a partition); only keeps the rate finite.
+    CEILING = 100_000.0
 
     def __init__(self, rate: float | None):
         self._lock = threading.Lock()
@@ -88,8 +94,8 @@ class RequestRate:
         """A random phase within the first interval: W ranks started at once do not all send at once."""
         return time.monotonic() + random.uniform(0, 1.0 / rate) if rate else 0.0
 
-    async def acquire(self) -> float:
-        """Wait for this range's next send slot; returns the send time (for ``throttled``)."""
+    async def acquire(self) -> tuple[float, bool]:
+        """Wait for this range's next send slot; returns the send time (for ``throttled``) and whether the pace held it back (for ``succeeded``)."""
         with self._lock:
             now = time.monotonic()
             # Idle time does not count as probing: a rate learned in one save
@@ -98,17 +104,27 @@ class RequestRate:
             self.last_used = now
             if self.rate is None:
                 self._recent.append(now)
-                return now
+                return now, False
             slot = max(now, self._next_slot)
             self._next_slot = slot + 1.0 / self.rate
         if slot > now:
             await asyncio.sleep(slot - now)
-        return slot
+        return slot, slot > now
 
-    def succeeded(self) -> None:
+    def succeeded(self, paced: bool) -> None:
+        """A request was answered; ``paced``: it had waited for its slot.
+
+        Only such a success says the rate, not the demand, was the limit, so
+        only it raises the rate: a range whose requests go out unpaced keeps
+        the rate it has, however many succeed (before, 1,164 successes at
+        5 requests/s took a rate to ``inf``).  The rate stays below
+        ``CEILING``, and the probing exponent below ``MAX_DOUBLINGS``: nothing
+        here overflows, however long a job runs.
+        """
         with self._lock:
-            if self.rate is not None:
-                self.rate *= 1 + min(1.0, self.GROWTH * 2 ** (self._probing / self.PROBE_DOUBLING))
+            if self.rate is not None and paced:
+                doublings = min(self._probing / self.PROBE_DOUBLING, self.MAX_DOUBLINGS)
+                self.rate = min(self.CEILING, self.rate * (1 + min(1.0, self.GROWTH * 2**doublings)))
 
     def throttled(self, sent_at: float) -> None:
         """A request sent at ``sent_at`` was throttled: cut the rate, once per round."""
