@@ -11,6 +11,7 @@ stores of the measured run is.
 import ctypes
 import os
 import threading
+import time
 import uuid
 
 import pytest
@@ -54,6 +55,23 @@ def threads() -> tuple[int, int]:
     return threading.active_count() - loop_executor, len(os.listdir("/proc/self/task")) - loop_executor
 
 
+def settled(os_count: int, before: int, seconds: float = 10.0) -> int:
+    """The OS thread count once the native workers of threads that just exited are gone too (polled, bounded).
+
+    torch's bundled libgomp gives a thread that runs a parallel region (a
+    staging copy) a team of worker threads, which exit after that thread
+    does, a few milliseconds later.  Right after ``close()`` one or two
+    may still be there: seen under torch 2.15 with gdb, each in
+    ``gomp_thread_start``/``gomp_barrier_wait_end``, and gone within 0.1 s.
+    A thread that stays is still counted.
+    """
+    end = time.monotonic() + seconds
+    while os_count > before and time.monotonic() < end:
+        time.sleep(0.05)
+        os_count = threads()[1]
+    return os_count
+
+
 def save_steps(root: str, steps: int) -> None:
     g = torch.Generator().manual_seed(0)
     sd = {"big": torch.randn(BIG // 4, generator=g)}
@@ -84,13 +102,11 @@ def test_thirty_async_saves_leave_no_threads_or_memory_behind(two_roots):
     (py_threads, os_threads), memory = threads(), rss()
     save_steps(root, STEPS)
     (py_after, os_after), memory_after = threads(), rss()
+    os_after = settled(os_after, os_threads)
     print(f"threads {py_threads} -> {py_after}, OS threads {os_threads} -> {os_after}, RSS {memory >> 20} -> {memory_after >> 20} MiB")
     # At most: a thread of an earlier test (a proxy's request handler) may end meanwhile.
     assert py_after <= py_threads, [t.name for t in threading.enumerate()]
-    # dcpstore starts Python threads only; a thread without a Python Thread is a C++ library's.  Under
-    # torch 2.15, in a process that had run other tests first, one such thread was seen to start during
-    # the 30 saves (not in a fresh process, not under 2.13): at most one is tolerated, never a Python one.
-    assert os_after - py_after <= os_threads - py_threads + 1, (os_threads, os_after)
+    assert os_after <= os_threads
     assert memory_after - memory < RSS_TOLERANCE
 
 
