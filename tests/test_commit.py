@@ -13,7 +13,7 @@ import torch
 from conftest import object_exists, read_metadata_raw
 from dist_utils import run_ranks
 from helpers import assert_state_dict_equal, sample_state_dict, zeros_like_state_dict
-from workers import checkpointer_one_save, load_sharded
+from workers import checkpointer_one_save, checkpointer_slow_retention, load_sharded
 from test_multirank import assert_loaded
 from test_writer_reader import _original_error, load, save
 
@@ -141,6 +141,30 @@ def test_ranks_agree_when_the_coordinators_work_before_the_put_outlasts_their_wa
     assert outcomes[0] is not None and "past the point its peers stop waiting" in outcomes[0][1]
     assert outcomes[1] is not None and "storage shows no .metadata of this save" in outcomes[1][1]
     assert not object_exists(s3, bucket, "run/step_00000001/.metadata")
+
+
+def test_retention_that_outlasts_the_peers_wait_leaves_the_group_in_step(bucket, s3, proxy):
+    """keep_last=1: step 2's commit deletes step 1, and every delete stalls past the read timeout five times over.
+
+    Retention runs before the verdict goes out, so that every rank lists
+    what is kept; but its deletes (about 5 s of timed-out attempts here)
+    outlast the peers' 4 s wait for the verdict.  The coordinator stops
+    waiting for them before the peers stop waiting for it: both ranks
+    report step 2 committed, the next collective (latest_step) agrees, and
+    the deletes finish in the background.  (Before: rank 1 timed out in
+    the broadcast, settled "committed" from storage, and the group broke at
+    latest_step.)
+    """
+    deletes = proxy.add("POST", r"\?delete", delay=6, times=5)
+    transfer = dcpstore.TransferConfig(
+        connect_timeout=1, read_timeout=1, min_send_rate=64 << 20,
+        retry=dcpstore.RetryPolicy(max_attempts=10, initial_backoff=0.01),
+    )
+    results = run_ranks(checkpointer_slow_retention, 2, f"s3://{bucket}/run", proxy.endpoint, transfer, 4.0)
+    assert results == {0: ["committed", "committed", 2], 1: ["committed", "committed", 2]}
+    assert deletes.hits == 5
+    assert not object_exists(s3, bucket, "run/step_00000001/.metadata")  # close() let the deletes finish
+    assert object_exists(s3, bucket, "run/step_00000002/.metadata")
 
 
 @pytest.mark.parametrize("after_put", [False, True], ids=["dies-before-the-put", "dies-after-it-landed"])

@@ -345,6 +345,27 @@ def checkpointer_one_save(rank, world_size, root, proxy_endpoint, transfer, comm
         ckpt.close()
 
 
+def checkpointer_slow_retention(rank, world_size, root, proxy_endpoint, transfer, collective_timeout):
+    """Save steps 1 and 2 with keep_last=1 through the proxy, then ask for the latest step; every outcome in order."""
+    ckpt = dcpstore.AsyncCheckpointer(
+        root, keep_last=1, storage_options={"endpoint_url": proxy_endpoint}, transfer=transfer, commit_window=1.0,
+        collective_timeout=datetime.timedelta(seconds=collective_timeout),
+    )
+    outcomes = []
+    try:
+        for step in (1, 2):
+            ckpt.save(sharded_state_dict(world_size, step), step=step)
+            try:
+                ckpt.wait()
+                outcomes.append("committed")
+            except dcpstore.CheckpointSaveError as e:
+                outcomes.append(f"{type(e).__name__}: {e}")
+        outcomes.append(ckpt.latest_step())
+    finally:
+        ckpt.close()
+    return outcomes
+
+
 def checkpointer_coordinator_dies_at_commit(rank, world_size, root, transfer, commit_window, after_put):
     """Rank 0 dies at its ``.metadata`` PUT (before it is sent, or once it landed); the others report.
 

@@ -367,6 +367,8 @@ class AsyncCheckpointer:
         self.overlap_copy = overlap_copy
         self._pools = [StagingPool(pin_memory) for _ in range(max_in_flight)]
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpstore-save")
+        self._collector = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpstore-retention")
+        self._collecting: concurrent.futures.Future | None = None  # the last commit's retention (coordinator)
         self._pending: list[SaveHandle] = []
         self.last_stats: SaveStats | None = None
         self._closed = False
@@ -684,9 +686,7 @@ class AsyncCheckpointer:
         self._order.remember(self.step_prefix(job.step), record)
         self._last_sequence = record.sequence
         if self.keep_last is not None or self.gc_grace is not None:
-            # Before the outcome goes out: once a save is done on any
-            # rank, every rank's committed_steps() lists what is kept.
-            self._collect(job.step)
+            self._collect_before(job.step, writer.put_deadline)
         return None
 
     def _next_commit(self, job: _SaveJob) -> CommitRecord:
@@ -743,6 +743,34 @@ class AsyncCheckpointer:
         messages = self._coll.all_gather(_describe(error) if error is not None else None)
         raise CheckpointSaveError(url, {r: m for r, m in enumerate(messages) if m is not None}) from error
 
+    def _collect_before(self, just_committed: int, peers_wait_until: float | None) -> None:
+        """Run retention (``_collect``) on its own thread, and wait for it while the peers still wait for the verdict.
+
+        Waiting means that once a save is done on any rank, every rank's
+        ``committed_steps()`` lists what is kept.  But a throttled or
+        stalled DELETE can retry for a whole throttle budget, and a peer
+        stops waiting for the verdict a group timeout after it entered the
+        broadcast (``peers_wait_until``, the coordinator's ``put_deadline``:
+        no peer gives up before it).  So the wait ends a tenth of the group
+        timeout before that; the deletes then go on in the background
+        (logged), and a commit that finds the last round still running
+        skips its own round: the next one deletes what is left.
+        """
+        if self._collecting is not None and not self._collecting.done():
+            logger.warning("%s: the last commit's deletions are still running; this commit deletes nothing", self.root)
+            return
+        self._collecting = self._collector.submit(self._collect, just_committed)
+        if peers_wait_until is None:  # no peers: wait it out
+            self._collecting.result()
+            return
+        margin = self._coll.timeout_s(self.collective_timeout) / 10
+        concurrent.futures.wait([self._collecting], timeout=max(0.0, peers_wait_until - margin - time.monotonic()))
+        if not self._collecting.done():
+            logger.warning(
+                "%s: deleting old steps (keep_last=%s, gc_grace=%s) outlasts what the peers wait for; it goes on in "
+                "the background, and the ranks may list steps it is deleting", self.root, self.keep_last, self.gc_grace,
+            )
+
     def _collect(self, just_committed: int) -> None:
         """Delete committed steps beyond ``keep_last`` and, with ``gc_grace``, failed saves' debris (coordinator only); best effort.
 
@@ -774,7 +802,9 @@ class AsyncCheckpointer:
         """Committed steps under the root, oldest commit first (not by number), after waiting for pending saves.
 
         Every rank lists the same steps: a save completes on a rank only
-        after the coordinator has committed it and pruned beyond ``keep_last``.
+        after the coordinator has committed it and pruned beyond
+        ``keep_last`` (unless the deletes outlast what the peers wait for:
+        then they finish in the background, logged; see ``_collect_before``).
         """
         self.wait()
         return self._ordered_steps()
@@ -1032,6 +1062,7 @@ class AsyncCheckpointer:
         finally:
             self._closed = True
             self._executor.shutdown(wait=True)
+            self._collector.shutdown(wait=True)  # deletions that outlasted their commit finish first
             self._writer.close()
             self.store.close()
             for pool in self._pools:
