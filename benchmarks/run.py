@@ -163,7 +163,8 @@ class _KeptForTheRun:
     """What the run makes once and keeps, outside every meter.
 
     Stateful contenders (``AsyncCheckpointer``; torch's ``DefaultStager`` with
-    a plan-caching planner), one per bucket, are made once and each round
+    a plan-caching planner; the writers ``dcp.async_save`` stages through),
+    one per bucket, are made once and each round
     saves the next step, as every save after a job's first does: their
     buffers and caches are warm from round 2 on, so the medians of 3 rounds
     are steady-state saves (round 1, the cold one, is in the JSON rows).
@@ -226,8 +227,9 @@ def _dcp_pair(writer_factory, reader_factory, use_async):
     def run(sd, url, pg):
         no_dist = pg is None
         phases = _Phases()
-        if use_async:
-            fut = dcp.async_save(sd, storage_writer=writer_factory(url), process_group=pg, no_dist=no_dist)
+        if use_async:  # the writer kept, as a user who wants its staging memory reused does
+            writer, _ = KEPT.get(writer_factory.__name__, url, lambda: writer_factory(url))
+            fut = dcp.async_save(sd, checkpoint_id=url, storage_writer=writer, process_group=pg, no_dist=no_dist)
             phases.mark("blocking_s")
             (getattr(fut, "upload_completion", None) or fut).result()
         else:

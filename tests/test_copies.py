@@ -167,6 +167,43 @@ def test_an_async_save_copies_each_byte_once_into_staging_and_sends_it_from_ther
     assert all(torch.equal(out[k], v) for k, v in sd.items())
 
 
+def test_dcp_async_save_stages_into_the_writers_reused_memory_and_sends_it_from_there(bucket, monkeypatch):
+    """``dcp.async_save`` with a kept ``ObjectStoreWriter`` stages through the writer, not torch's ``DefaultStager``.
+
+    The first save allocates the host memory; the second copies into the
+    same slab (no allocation) and its big tensor's bytes are lent from it;
+    what the trainer does after ``async_save`` returns never reaches the
+    checkpoint.
+    """
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    sd = state_dict()
+    writer = dcpstore.ObjectStoreWriter(f"s3://{bucket}/ckpt1", transfer=TransferConfig(part_size=PART), objects_per_rank=1)
+    monkeypatch.setattr(DefaultStager, "stage", lambda *a: pytest.fail("torch's DefaultStager staged"))
+
+    def async_save(url):
+        response = dcp.async_save(sd, checkpoint_id=url, storage_writer=writer, no_dist=True)
+        expected = {k: v.clone() for k, v in sd.items()}
+        sd["big"].add_(1)  # the trainer moves on at once
+        (getattr(response, "upload_completion", None) or response).result()
+        return expected
+
+    expected = [async_save(f"s3://{bucket}/ckpt1")]
+    (pool,) = writer._free_staging  # back once the save's copy was dropped
+    slab = pool._slab.tensor
+    tally = WriterTally(monkeypatch)
+    monkeypatch.setattr(dcpstore.staging, "HostSlab", lambda n: pytest.fail("a second save allocated host memory"))
+    expected.append(async_save(f"s3://{bucket}/ckpt2"))
+    assert writer._free_staging == [pool] and pool._slab.tensor is slab
+    assert tally.lent == sd["big"].numel() * 4
+    assert all(slab.data_ptr() <= o.data_ptr() < slab.data_ptr() + slab.numel() for o in tally.owners)
+    writer.close()
+    for n, want in enumerate(expected, 1):
+        out = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(out, storage_reader=dcpstore.ObjectStoreReader(f"s3://{bucket}/ckpt{n}"), no_dist=True)
+        assert all(torch.equal(out[k], v) for k, v in want.items()), n
+
+
 def save_and_open(bucket: str, size: int, **storage_options):
     sd = {"big": torch.randn(size // 4, generator=torch.Generator().manual_seed(1)), "small": torch.arange(10.0)}
     url = f"s3://{bucket}/ckpt-{size}"

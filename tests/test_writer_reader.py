@@ -1,5 +1,6 @@
 """ObjectStoreWriter / ObjectStoreReader under plain dcp.save / dcp.load, one process."""
 
+import copy
 import dataclasses
 import pickle
 import re
@@ -243,6 +244,33 @@ def test_async_save_with_our_writer(bucket):
     fut = dcp.async_save(sd, storage_writer=dcpstore.ObjectStoreWriter(url), no_dist=True)
     (fut.upload_completion if hasattr(fut, "upload_completion") else fut).result()
     assert_state_dict_equal(load(zeros_like_state_dict(sd), url), sd)
+
+
+def test_a_staged_copy_that_is_still_held_keeps_its_memory(bucket):
+    """``ObjectStoreWriter.stage`` (what ``dcp.async_save`` calls): reused memory serves one staged copy at a time.
+
+    A copy still held (its save uploading, or a failed save's traceback
+    holding it) is never overwritten by the next stage: that one gets other
+    memory.  Dropped, its memory is reused.
+    """
+    sd = sample_state_dict(3)
+    writer = dcpstore.ObjectStoreWriter(f"s3://{bucket}/ckpt")
+    first = writer.stage(sd)
+    expected = copy.deepcopy(sd)
+    for t in sd["model"].values():
+        t.add_(1)
+    second = writer.stage(sd)
+    assert_state_dict_equal(first, expected)  # untouched by the second stage
+    assert_state_dict_equal(second, sd)
+    memory = first["model"]["embed.weight"].data_ptr()
+    assert second["model"]["embed.weight"].data_ptr() != memory
+    del first
+    third = writer.stage(sd)
+    assert third["model"]["embed.weight"].data_ptr() == memory
+    del second, third
+    assert len(writer._free_staging) == 2
+    writer.close()
+    assert writer._free_staging == []
 
 
 @pytest.mark.parametrize("scheme", ["memory", "file"])

@@ -31,9 +31,11 @@ value.
 
 from __future__ import annotations
 
+import copy
 import io
 import time
 import weakref
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -223,47 +225,99 @@ class StagingPool:
 
     def stage(self, items: list[WriteItem], planner: SavePlanner, *, training_waits: bool = True) -> StagedItems:
         """Copy ``items`` to host; see the module docstring for ``training_waits``."""
-        self._lay_out(items)
+        self._lay_out({
+            item.index: (torch.Size(item.tensor_data.chunk.sizes), item.tensor_data.properties.dtype)
+            for item in items
+            if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None
+        })
         staged: dict[MetadataIndex, Any] = {}
         copies: dict[torch.device, torch.cuda.Event] = {}
         for item in items:
             data = resolve_item(planner, item)
             if item.type == WriteItemType.BYTE_IO:
                 staged[item.index] = io.BytesIO(data.getvalue())
-                continue
-            src = data.detach()
-            buf = self._buffer(item.index, src)
-            if src.is_cuda:
-                with torch.cuda.device(src.device):
-                    stream = self._side_stream(src.device)
-                    # Per item: resolve_data may have just launched the kernels
-                    # that produce src (a DTensor's local shard, a contiguous
-                    # copy) on the current stream.
-                    stream.wait_stream(torch.cuda.current_stream(src.device))
-                    with torch.cuda.stream(stream):
-                        buf.copy_(src, non_blocking=True)
-                    # src may be a temporary: keep its memory from being reused
-                    # by the current stream before the side stream has read it.
-                    src.record_stream(stream)
-                    copies[src.device] = stream.record_event(torch.cuda.Event(blocking=True))
             else:
-                buf.copy_(src)
-            staged[item.index] = buf
+                staged[item.index] = self._copy(item.index, data.detach(), copies)
         result = StagedItems(staged, copies)
         if training_waits:
             result.make_streams_wait()
         return result
 
-    def _lay_out(self, items: list[WriteItem]) -> None:
-        """Offsets in the slab for the tensor items; a new slab only if the items need more than it holds."""
+    def copy_state_dict(self, state_dict: dict) -> dict:
+        """A copy of ``state_dict`` for ``dcp.async_save`` (``ObjectStoreWriter.stage``), its tensors in this pool.
+
+        The same structure: a tensor becomes a host tensor in the slab, a
+        ``DTensor`` keeps its mesh and placements around a host copy of its
+        local shard, and any other value is deep-copied, so that nothing the
+        trainer does after this returns reaches the checkpoint.  CUDA
+        copies have landed when it returns (``dcp.async_save``'s upload
+        thread reads the copy at once), as with torch's blocking stager.
+        """
+        from torch.distributed.tensor import DTensor
+
+        def local(value):
+            return value._local_tensor if isinstance(value, DTensor) else value
+
+        def tensors(obj, path=()):  # (path, tensor) for every tensor leaf, in order
+            if isinstance(obj, dict):
+                for k, v in obj.items():
+                    yield from tensors(v, (*path, k))
+            elif type(obj) in (list, tuple):
+                for i, v in enumerate(obj):
+                    yield from tensors(v, (*path, i))
+            elif type(obj) is torch.Tensor or isinstance(obj, DTensor):
+                yield path, local(obj).detach()
+
+        sources = dict(tensors(state_dict))
+        self._lay_out({path: (t.shape, t.dtype) for path, t in sources.items()})
+        copies: dict[torch.device, torch.cuda.Event] = {}
+
+        def rebuild(obj, path=()):
+            if path in sources:
+                buf = self._copy(path, sources[path], copies)
+                if isinstance(obj, DTensor):
+                    return DTensor.from_local(
+                        buf, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
+                    )
+                return buf
+            if isinstance(obj, dict):  # an OrderedDict too: DCP reads any mapping by its keys
+                return {k: rebuild(v, (*path, k)) for k, v in obj.items()}
+            if type(obj) in (list, tuple):
+                return type(obj)(rebuild(v, (*path, i)) for i, v in enumerate(obj))
+            return copy.deepcopy(obj)
+
+        out = rebuild(state_dict)
+        for copied in copies.values():
+            copied.synchronize()
+        return out
+
+    def _copy(self, key: Hashable, src: torch.Tensor, copies: "dict[torch.device, torch.cuda.Event]") -> torch.Tensor:
+        """``src`` copied into its host buffer; a CUDA tensor on the device's side stream (``copies``: its event)."""
+        buf = self._buffer(key, src)
+        if not src.is_cuda:
+            buf.copy_(src)
+            return buf
+        with torch.cuda.device(src.device):
+            stream = self._side_stream(src.device)
+            # Per item: resolve_data may have just launched the kernels
+            # that produce src (a DTensor's local shard, a contiguous
+            # copy) on the current stream.
+            stream.wait_stream(torch.cuda.current_stream(src.device))
+            with torch.cuda.stream(stream):
+                buf.copy_(src, non_blocking=True)
+            # src may be a temporary: keep its memory from being reused
+            # by the current stream before the side stream has read it.
+            src.record_stream(stream)
+            copies[src.device] = stream.record_event(torch.cuda.Event(blocking=True))
+        return buf
+
+    def _lay_out(self, tensors: dict[Hashable, tuple[torch.Size, torch.dtype]]) -> None:
+        """Offsets in the slab for the tensors (by key: shape, dtype); a new slab only if they need more than it holds."""
         layout, end = {}, 0
-        for item in items:
-            if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
-                continue
-            shape, dtype = torch.Size(item.tensor_data.chunk.sizes), item.tensor_data.properties.dtype
+        for key, (shape, dtype) in tensors.items():
             if not _carvable(dtype):
                 continue
-            layout[item.index] = (end, shape, dtype)
+            layout[key] = (end, shape, dtype)
             end += -(-_nbytes(shape, dtype) // ALIGNMENT) * ALIGNMENT
         if self._slab is None or self._slab.nbytes < end:
             if self._slab is not None:
@@ -273,10 +327,9 @@ class StagingPool:
         elif layout != self._layout:
             self._views = {}
         self._layout = layout
-        present = {item.index for item in items}
-        self._own = {k: v for k, v in self._own.items() if k in present}
+        self._own = {k: v for k, v in self._own.items() if k in tensors}
 
-    def _buffer(self, index: MetadataIndex, src: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, index: Hashable, src: torch.Tensor) -> torch.Tensor:
         place = self._layout.get(index)
         if place is not None and place[1] == src.shape and place[2] == src.dtype:
             self._own.pop(index, None)

@@ -71,6 +71,7 @@ from torch.distributed.checkpoint.filesystem import (
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -79,7 +80,7 @@ from .commit import Outcome, write_metadata
 from .errors import CheckpointExistsError, CommitOutcomeUnknownError, DcpstoreError, ObjectNotFoundError
 from .layout import METADATA_KEY
 from .reader import parse_metadata
-from .staging import StagedItems, resolve_item
+from .staging import StagedItems, StagingPool, resolve_item
 from .tensor_archive import save_tensor
 from .storage import ObjectStore, ObjectWriter, StoreOwner, ThrottleClock, TransferConfig, check_keywords, is_store_url
 
@@ -291,7 +292,11 @@ def carried_plan(plan: SavePlan) -> SavePlan | None:
     return carrier.plan
 
 
-class ObjectStoreWriter(StorageWriter, StoreOwner):
+class _StagedStateDict(dict):
+    """What ``ObjectStoreWriter.stage`` returns: a plain dict that can carry a finalizer (its pool's way back)."""
+
+
+class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
     """Write DCP checkpoints to ``url`` (``s3://bucket/prefix``, ``file://...``, ``memory://...``).
 
     Args:
@@ -339,6 +344,12 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
       accident.
     * ``serialization_format``: only ``SerializationFormat.TORCH_SAVE``, the
       default; others raise ``ValueError``.
+    * ``cache_staged_state_dict``: no need.  ``dcp.async_save`` stages
+      through the writer (an ``AsyncStager``, as ``FileSystemWriter`` is)
+      into host memory it allocates on the first save and reuses while the
+      writer lives (pinned when CUDA is available), so keep one writer
+      across saves.  Like torch's writers, a writer serves one save at a
+      time: wait for a save's future before the next ``async_save`` with it.
     * any other keyword: a storage option, as ``FsspecWriter`` passes its
       ``**kwargs`` to fsspec (merged into ``storage_options``); one that the
       URL's filesystem does not take (a typo) raises ``TypeError`` listing
@@ -385,6 +396,7 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         self.commit_window = commit_window
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._store: ObjectStore | None = None
+        self._free_staging: list[StagingPool] = []  # for dcp.async_save: pools no staged copy holds now
         self.reset(url)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -396,7 +408,28 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         """
         state = self.__dict__.copy()
         state["_store"] = state["_executor"] = None
+        state["_free_staging"] = []  # host memory stays in this process
         return state
+
+    # -- AsyncStager (dcp.async_save) ---------------------------------------------
+
+    _synchronize_after_execute = False  # stage() returns once the copy is complete
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """The copy of ``state_dict`` that ``dcp.async_save`` uploads, in reused host memory (see ``StagingPool.copy_state_dict``).
+
+        A pool serves one staged copy at a time: it goes back to the free
+        list when nothing holds that copy any more (the save that uploaded
+        it returned), so a copy still held (by a failed save's traceback)
+        is never overwritten: the next save gets another pool.
+        """
+        pool = self._free_staging.pop() if self._free_staging else StagingPool()
+        staged = _StagedStateDict(pool.copy_state_dict(state_dict))
+        weakref.finalize(staged, self._free_staging.append, pool)
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns once the copy is complete."""
 
     # -- StorageWriter ----------------------------------------------------------
 
@@ -716,3 +749,5 @@ class ObjectStoreWriter(StorageWriter, StoreOwner):
         if self._store is not None:
             self._store.settle_aborts()
         self.release_store()
+        while self._free_staging:  # a pool still held by a staged copy goes when that copy does
+            self._free_staging.pop().clear()
