@@ -16,10 +16,9 @@ Each contender saves in two modes, one after the other, into a fresh prefix:
 - ``job``: N gloo ranks, one plain ``dcp.save`` (each rank writes its own
   tensors, as FSDP shards are): what a torchrun job does;
 - ``independent``: N processes, each its own ``dcp.save`` into its own
-  checkpoint under one root, no process group (so no rank knows the
-  others: each dcpstore writer starts at the whole ``prefix_write_rate``
-  and adapts): the issue's first repro.  The row ``prefix_write_rate=rate/N``
-  is what a user who knows there are N such writers configures.
+  checkpoint under one root, no process group (so no writer knows the
+  others: each dcpstore writer slow-starts its rate, see
+  ``dcpstore.storage.throttle``): the issue's first repro.
 
 Writers start together (a barrier after start-up), as a job's ranks do.
 
@@ -51,7 +50,6 @@ from dist_utils import run_ranks  # noqa: E402
 from s3server import FaultProxy, MotoServer, ThrottleModel  # noqa: E402
 
 MiB = 1 << 20
-TOLD = "prefix_write_rate=rate/N"
 
 
 def _state(rank: int, mib: int):
@@ -62,12 +60,10 @@ def _state(rank: int, mib: int):
     return {f"r{rank}_a": torch.randn(n, generator=g), f"r{rank}_b": torch.randn(n, generator=g)}
 
 
-def _writer(contender: str, url: str, rate: float, writers: int):
+def _writer(contender: str, url: str, rate: float):
     if contender.startswith("dcpstore"):
         import dcpstore
 
-        if TOLD in contender:
-            rate /= writers  # what a user who knows there are N writers configures (no process group to agree it)
         transfer = dcpstore.TransferConfig(max_concurrency=4, prefix_write_rate=rate)
         spread = 4 if "key_spread" in contender else 1
         return dcpstore.ObjectStoreWriter(url, transfer=transfer, objects_per_rank=2, key_spread=spread)
@@ -91,7 +87,7 @@ def _save_one(rank, contender, url, mib, rate, writers, endpoint, start):
 
     distributed = dist.is_initialized()
     state = _state(rank, mib)
-    writer = _writer(contender, url if distributed else f"{url}/w{rank}", rate, writers)
+    writer = _writer(contender, url if distributed else f"{url}/w{rank}", rate)
     start()  # every writer starts at once, as a job's ranks do, whatever their start-up took
     t0 = time.monotonic()
     try:
@@ -209,7 +205,6 @@ def main(argv=None) -> int:
     contenders = [
         "dcpstore ObjectStoreWriter",
         "dcpstore ObjectStoreWriter key_spread=4",
-        f"dcpstore ObjectStoreWriter {TOLD}",
         "torch FsspecWriter (s3fs)",
     ]
     if not args.no_s3torchconnector:
@@ -240,8 +235,6 @@ def main(argv=None) -> int:
     try:
         for contender in contenders:
             for mode in args.modes.split(","):
-                if TOLD in contender and mode != "independent":
-                    continue  # a job agrees on its share itself
                 try:
                     r = measure(contender, mode, args, proxy, s3)
                 except Exception as e:  # noqa: BLE001 - a contender that cannot run is recorded

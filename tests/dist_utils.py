@@ -11,22 +11,26 @@ import tempfile
 import traceback
 
 
-def _entry(fn, rank, world_size, init_file, results, args, collective_timeout):
+def _entry(fn, rank, world_size, init_file, results, args, collective_timeout, start):
     import torch.distributed as dist
 
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=collective_timeout),
-        )
+        if start is None:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{init_file}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=collective_timeout),
+            )
+        else:
+            start.wait()  # no process group: only a start together, as a job's processes would
         out = fn(rank, world_size, *args)
         # Plain pickle: tensors travel by value, not as shared-memory handles
         # that die with this process.
         results.put((rank, "ok", pickle.dumps(out)))
-        dist.destroy_process_group()
+        if start is None:
+            dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - reported to the parent
         results.put((rank, "error", traceback.format_exc()))
 
@@ -45,22 +49,31 @@ def deadline_scale() -> float:
 
 
 def run_ranks(
-    fn, world_size: int, *args, timeout: float = 180, expect_killed: tuple[int, ...] = (), collective_timeout: float = 60
+    fn,
+    world_size: int,
+    *args,
+    timeout: float = 180,
+    expect_killed: tuple[int, ...] = (),
+    collective_timeout: float = 60,
+    process_group: bool = True,
 ):
     """``fn(rank, world_size, *args)`` on every rank; returns ``{rank: result}``.
 
     A rank whose ``fn`` raises fails the call with its traceback; ranks in
     ``expect_killed`` may die without a result (their entry is ``None``).
     ``timeout`` is for an idle machine and is scaled by ``deadline_scale()``.
+    ``process_group=False``: independent processes, no process group; they
+    start ``fn`` together (a barrier), as launchers start them.
     """
     timeout *= deadline_scale()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
+    start = None if process_group else ctx.Barrier(world_size)
     fd, init_file = tempfile.mkstemp(prefix="gloo-")
     os.close(fd)
     os.unlink(init_file)
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, init_file, results, args, collective_timeout))
+        ctx.Process(target=_entry, args=(fn, r, world_size, init_file, results, args, collective_timeout, start))
         for r in range(world_size)
     ]
     for p in procs:

@@ -141,6 +141,39 @@ def test_eight_ranks_commit_under_sustained_throttling_without_a_retry_storm(buc
         assert torch.equal(loaded[k], v), k
 
 
+def test_eight_processes_without_a_process_group_commit_under_throttling_without_a_retry_storm(bucket, s3, proxy):
+    """The same partition and tensors, but 8 processes, each its own plain dcp.save, no process group, no hint.
+
+    No writer knows how many others share the partition, so none can
+    start at its share: each slow-starts (``RequestRate.SLOW_START``).
+    Each writes 9 requests (8 for its two objects, then its ``.metadata``;
+    a job of one rank writes no resume index), 72 in all.  Before, each
+    started at the whole ``prefix_write_rate``: 185 sent here (2.57x), and
+    16.2x in the issue's run (777 for 48).  Now 1.36-1.44x on an idle box
+    and 1.61x once on a busy one: the goal (1.5x) is measured by
+    ``benchmarks/throttle.py``; the bound here is for a storm, with room
+    for a busy box.
+    """
+    from workers import save_alone_under_throttling
+
+    writers = 8
+    proxy.throttle = ThrottleModel(rate=4, burst=4)
+    transfer = TransferConfig(part_size=5 * MiB, max_concurrency=4, prefix_write_rate=4.0)
+    root = f"s3://{bucket}/root"
+    run_ranks(save_alone_under_throttling, writers, root, proxy.endpoint, transfer, timeout=300, process_group=False)
+    model = proxy.throttle
+    proxy.throttle = None
+    print(f"sent {model.sent} write requests for {model.admitted} admitted")
+    assert model.admitted == 9 * writers
+    assert model.amplification <= 1.8, (model.sent, model.admitted)
+    for rank in range(writers):
+        expected = rank_tensors(rank)
+        loaded = {k: torch.empty_like(v) for k, v in expected.items()}
+        dcp.load(loaded, storage_reader=dcpstore.ObjectStoreReader(f"{root}/w{rank}"), no_dist=True)
+        for k, v in expected.items():
+            assert torch.equal(loaded[k], v), (rank, k)
+
+
 def test_key_spread_places_shards_under_hashed_sub_prefixes_that_stock_readers_load(bucket, s3):
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
@@ -182,8 +215,10 @@ def test_a_slow_upload_leaves_the_saves_throttle_budget_unspent(bucket, s3, prox
 
     The one shard takes longer than the whole budget, unthrottled; the
     ``.metadata`` PUT is then throttled once, and the save still commits.
+    (A writer alone slow-starts: its retry waits for the rate it then
+    calibrates at, 2 s here, within the budget.)
     """
-    budget = 2.0
+    budget = 4.0
     proxy.add("PUT", r"/slow-upload/.*\.distcp", delay=budget + 1)
     slow_down = proxy.add("PUT", r"/slow-upload/\.metadata$", status=503, code="SlowDown", times=1)
     transfer = TransferConfig(retry=RetryPolicy(initial_backoff=0.01, throttle_budget=budget))
@@ -289,6 +324,95 @@ def test_a_week_of_saves_keeps_every_rate_finite_and_grows_it_only_where_the_pac
     # It stops growing once it passes the demand: the last paced successes may each double it (probing).
     assert 1.0 <= high.rate <= 4 * 1.0 and math.isfinite(high.rate)
     assert high.rate <= throttle.RequestRate.CEILING
+
+
+def test_a_rate_nothing_calibrated_starts_low_doubles_while_paced_and_drops_to_what_was_admitted(monkeypatch):
+    """Slow start, on a fake clock: a write range of a process that knows no share, and one that does.
+
+    Alone, the writer doubles its rate once a second while paced; at its
+    first throttled answer it drops to the rate that was admitted, and
+    from then on cuts and grows as a calibrated rate does.  A job's share
+    (``RateBook.share``) is a calibrated start: no slow start.
+    """
+    clock = [0.0]
+
+    async def sleep(seconds):
+        clock[0] += seconds
+
+    monkeypatch.setattr(throttle, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(throttle, "asyncio", types.SimpleNamespace(sleep=sleep))
+    monkeypatch.setattr(throttle.random, "uniform", lambda lo, hi: hi)  # the latest first slot
+
+    def send(rate):
+        """One request, sent as soon as its slot allows (the fake sleep advances the clock)."""
+        return asyncio.run(rate.acquire())
+
+    book = throttle.RateBook()
+    alone = book.rate(("scope",), "root/w0", "write")
+    assert not alone.calibrated and alone.rate == throttle.RequestRate.SLOW_START
+    assert book.rate(("scope",), "root/w0", "read").rate is None  # reads: unpaced until throttled
+    pointer = book.rate(("scope",), "root", "write")  # a range written rarely (one PUT a save)
+
+    sent = []
+    while alone.rate < 64:  # paced successes; the rate doubles once a second: 1, 2, 4, ... 64 requests/s
+        at, paced = send(alone)
+        assert paced
+        sent.append(at)
+        alone.succeeded(paced)
+    # The documented ramp: 64 requests/s 6 s after the first send (at 1 s, the
+    # latest phase), with each send at the rate of its moment, not in a slot
+    # reserved at the start's rate (1, 2, 4, ... sends in successive seconds).
+    assert sent[-1] - sent[0] == pytest.approx(5.0)
+    assert len(sent) == 1 + 2 + 4 + 8 + 16 + 32
+    at, _ = send(alone)
+    alone.throttled(at)
+    assert alone.calibrated
+    admitted = sum(1 for t in sent if t > clock[0] - throttle.RequestRate.GOODPUT_WINDOW)
+    assert alone.rate == pytest.approx(min(admitted / throttle.RequestRate.GOODPUT_WINDOW, 64.0 / 2))  # what was admitted
+    calibrated = alone.rate
+    at, paced = send(alone)
+    alone.succeeded(paced)
+    assert alone.rate == pytest.approx(calibrated * (1 + throttle.RequestRate.GROWTH), rel=0.01)  # no doubling
+
+    # A new range of the same process starts at what was learned, calibrated,
+    # whatever a rarely written range of it reached in slow start meanwhile.
+    assert pointer.rate == throttle.RequestRate.SLOW_START and not pointer.calibrated
+    step2 = book.rate(("scope",), "root/w0/step2", "write")
+    assert step2.calibrated and step2.rate == alone.rate
+
+    # While no range was throttled, a new one goes on from the highest rate slow start reached.
+    ramping = throttle.RateBook()
+    first = ramping.rate(("scope",), "root/step1", "write")
+    first.rate = 32.0
+    ramping.rate(("scope",), "root", "write")  # a rarely written range, at 1/s
+    second = ramping.rate(("scope",), "root/step2", "write")
+    assert second.rate == 32.0 and not second.calibrated
+
+    # A pause does not count as time goodput was measured in: at 32/s, idle a
+    # minute, then 4 successes in 1/8 s and a throttled answer.  Over a
+    # window that took in the pause, 4 successes would be 2/s.
+    clock[0] += 60.0
+    for _ in range(4):
+        first.succeeded(send(first)[1])
+    at, _ = send(first)
+    first.throttled(at)
+    assert first.calibrated and first.rate >= 16.0
+
+    # Throttled before any success (the partition was full when it began):
+    # nothing measured, so it keeps most of its rate, and is calibrated.
+    late = throttle.RateBook().rate(("scope",), "root/w1", "write")
+    at, _ = send(late)
+    late.throttled(at)
+    assert late.calibrated and late.rate == pytest.approx(throttle.RequestRate.SLOW_START * throttle.RequestRate.UNMEASURED_CUT)
+
+    job = throttle.RateBook()
+    job.share(("scope",), "write", 3500 / 8)
+    shared = job.rate(("scope",), "root/ckpt", "write")
+    assert shared.calibrated and shared.rate == 3500 / 8
+    early = throttle.RateBook()
+    first = early.rate(("scope",), "root/ckpt", "write")  # made before the writer knew the world size
+    early.share(("scope",), "write", 3500 / 8)
+    assert first.calibrated and first.rate == 3500 / 8
 
 
 def test_a_background_abort_is_not_bound_by_the_saves_spent_throttle_budget(bucket, s3, proxy):

@@ -329,6 +329,11 @@ def save_under_throttling(rank, world_size, url, proxy_endpoint, transfer):
     return time.monotonic() - t0
 
 
+def save_alone_under_throttling(rank, world_size, root, proxy_endpoint, transfer):
+    """``save_under_throttling`` with no process group: each process its own checkpoint, ``{root}/w{rank}``."""
+    return save_under_throttling(rank, world_size, f"{root}/w{rank}", proxy_endpoint, transfer)
+
+
 def checkpointer_one_save(rank, world_size, root, proxy_endpoint, transfer, commit_window, collective_timeout=600.0):
     """Save step 1 through the proxy; ``None`` when committed, else the error's type and text."""
     ckpt = dcpstore.AsyncCheckpointer(

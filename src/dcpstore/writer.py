@@ -541,7 +541,8 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         buckets = [b for b in _split_by_size_and_type(self.objects_per_rank, list(plan.items)) if b]
         names = [self._spread(f"{prefix}{generation}_{n}{DEFAULT_SUFFIX}") for n in range(len(buckets))]
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.store.share_write_rate(world_size * len({name.rpartition("/")[0] for name in names}))
+        if world_size > 1:  # alone, a writer cannot know who else writes the range: it slow-starts (see storage.throttle)
+            self.store.share_write_rate(world_size * len({name.rpartition("/")[0] for name in names}))
         # One budget for the save's throttling, shards and .metadata alike (see RetryPolicy).
         self.store.save_throttle = ThrottleClock(self.transfer.retry.throttle_budget)
 

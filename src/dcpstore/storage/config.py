@@ -72,9 +72,10 @@ class TransferConfig:
     min_send_rate: float = 1 * MiB
     retry: RetryPolicy = RetryPolicy()
     # Writes/s that one fresh S3 key range admits (S3: about 3,500).  A
-    # writer that knows the job's world size W starts each rank at
-    # prefix_write_rate / W, then adapts (see ``throttle``); None: no
-    # job-wide start, only adaptation.
+    # writer that knows the job's world size W (W > 1) starts each rank at
+    # prefix_write_rate / W, then adapts (see ``throttle``).  Without that
+    # start (None here, or a writer alone: no process group, or a job of
+    # one), a write range slow-starts.
     prefix_write_rate: float | None = 3500.0
 
     def __post_init__(self) -> None:
