@@ -299,6 +299,7 @@ class _Iteration:
             self.fail("step saved after resume does not load bit-exact")
 
 
+@pytest.mark.timeout(300 + 90 * ITERATIONS)  # a campaign runs longer than the suite's per-test bound
 def test_chaos(bucket, s3, proxy):
     rng = random.Random(SEED)
     counts: collections.Counter = collections.Counter()

@@ -131,3 +131,31 @@ def test_staging_memory_is_what_the_items_need_and_stays_flat_while_shapes_chang
         assert held == [held[0]] * len(shapes)
         assert all(s.pinned_bytes == 0 for s in [stats])  # no CUDA tensor: nothing pinned
     assert all(pool.nbytes == 0 for pool in ckpt._pools)  # close() gave it back
+
+
+@pytest.mark.skipif(not hasattr(threading, "_shutdown_locks_lock"), reason="CPython < 3.13's threading internals")
+def test_a_store_nobody_closed_is_let_go_without_waiting_for_its_threads(tmp_path):
+    """A store garbage-collected, not closed, frees its connection's pool without joining a thread.
+
+    Collection runs a finalizer wherever an allocation triggers it: it once
+    ran inside threading's own ``_shutdown_locks_lock``, in a pool thread
+    being started, and joining the last store's pool threads there waited
+    for that same lock forever (the suite hung in CI).  Here the store's
+    last reference goes inside that lock, as collection did.
+    """
+    from dcpstore.storage import TransferConfig, open_store
+
+    # A transfer of its own: the store's connection is no other test's, so dropping it releases the last lease.
+    store = open_store(f"file://{tmp_path}", transfer=TransferConfig(max_concurrency=3))
+    store.put("k", b"x")  # starts the connection's thread pool
+    holder = [store]
+    del store
+
+    def drop():
+        with threading._shutdown_locks_lock:
+            holder.clear()
+
+    dropping = threading.Thread(target=drop, daemon=True)
+    dropping.start()
+    dropping.join(timeout=60)  # immediate when correct; a deadlock never ends
+    assert not dropping.is_alive(), "the unclosed store's finalizer waited on a lock its thread holds"

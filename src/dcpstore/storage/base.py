@@ -100,7 +100,7 @@ class ObjectStore:
         self.fs = connection.fs
         self.transfer = connection.transfer
         self._connection = connection
-        self._lease = weakref.finalize(self, connection.release)
+        self._lease = weakref.finalize(self, connection.release, wait=False)  # collected, not closed: see release
         # When set, no throttled request of this store is retried once it has
         # run out: a save's one budget for throttling, shards and .metadata
         # alike, set by ``ObjectStoreWriter.write_data`` (see ``throttle.ThrottleClock``).
@@ -127,8 +127,9 @@ class ObjectStore:
         return type(self)(self.url_for(prefix), self._path(prefix), self._connection)
 
     def close(self) -> None:
-        """Release this store's lease; the connection's pools go with the last one.  Idempotent."""
-        self._lease()
+        """Release this store's lease; the connection's pools go with the last one, their threads waited for.  Idempotent."""
+        if self._lease.detach() is not None:
+            self._connection.release()
 
     def share_write_rate(self, writers: int) -> None:
         """Start at a share of a key range's write rate: one of ``writers`` pacers writing at once (S3; nothing here)."""

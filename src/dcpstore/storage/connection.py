@@ -54,8 +54,15 @@ class Connection:
             self._leases += 1
             return True
 
-    def release(self) -> None:
-        """Return a lease; the last one frees the pools."""
+    def release(self, wait: bool = True) -> None:
+        """Return a lease; the last one frees the pools, waiting for the pool's threads to end if ``wait``.
+
+        A store garbage-collected releases with ``wait=False``: collection
+        runs finalizers wherever an allocation triggers it, inside locks of
+        the interrupted code, and joining a thread there can wait for a lock
+        its own thread holds (threading's ``_shutdown_locks_lock``, while a
+        thread starts).  The idle pool threads end on their own.
+        """
         with self._lock:
             self._leases -= 1
             if self._leases > 0:
@@ -64,7 +71,7 @@ class Connection:
             executor, self._executor = self._executor, None
         if executor is not None:
             # A pool thread that drops the last store cannot wait for itself.
-            executor.shutdown(wait=not getattr(_pool_thread, "active", False))
+            executor.shutdown(wait=wait and not getattr(_pool_thread, "active", False))
         self.parts.close()
 
     def executor(self) -> concurrent.futures.ThreadPoolExecutor:
