@@ -512,7 +512,7 @@ def check_storage_data(storage_data: Any, url: str) -> None:
             if type(value) is not int or value < 0:
                 raise CorruptCheckpointError(f"{url}: item {index!r} has {name} {value!r}")
         key = info.relative_path
-        if key in checked:
+        if isinstance(key, str) and key in checked:  # a key of another type may not even hash
             continue
         if (
             not isinstance(key, str)
