@@ -118,6 +118,24 @@ def test_gc_dry_run_then_for_real(run_root, s3, bucket, capsys):
     assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
 
+def test_pruning_a_committed_step_leaves_the_users_files_in_its_folder_and_says_so(run_root, s3, bucket, capsys, caplog):
+    """An HF export and evaluation results saved into step 100's folder survive ``gc --keep-last 1``; the dry run lists them."""
+    root, _ = run_root
+    users = ["hf/model.safetensors", "hf/config.json", "eval_results.json"]
+    for name in users:
+        s3.put_object(Bucket=bucket, Key=f"run-7/step_00000100/{name}", Body=b"the user's")
+    assert main(["gc", root, "--keep-last", "1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "would delete committed step 100" in out
+    assert all(f"{root}/step_00000100/{name}" in out for name in users), out
+    with caplog.at_level("WARNING", logger="dcpstore"):
+        assert main(["gc", root, "--keep-last", "1"]) == 0
+    left = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="run-7/step_00000100/")["Contents"])
+    assert left == sorted(f"run-7/step_00000100/{name}" for name in users)  # the checkpoint's objects went, the user's stayed
+    assert "hf/model.safetensors" in caplog.text and "no DCP writer wrote" in caplog.text
+    assert object_exists(s3, bucket, "run-7/step_00000200/.metadata")
+
+
 def test_gc_grace_protects_recent_incomplete_steps(run_root, s3, bucket):
     root, _ = run_root
     assert main(["gc", root]) == 0  # default grace: an hour

@@ -46,6 +46,21 @@ def test_the_step_just_committed_is_never_pruned(root, caplog):
     assert "saving step 250 below the highest committed step 300" in caplog.text
 
 
+def test_keep_last_deletes_a_pruned_steps_checkpoint_and_leaves_the_users_files(root, caplog):
+    """keep_last=1 prunes step 1 (its .metadata, shards and resume index), not the evaluation results saved beside them."""
+    from dcpstore.storage import open_store
+
+    store = open_store(root)
+    with dcpstore.AsyncCheckpointer(root, keep_last=1) as ckpt:
+        _save(ckpt, 1, 1)
+        store.put("step_00000001/eval_results.json", b"{}")
+        _save(ckpt, 2, 2)
+    # close() waited for the retention round
+    assert [o.key for o in store.list() if o.key.startswith("step_00000001/")] == ["step_00000001/eval_results.json"]
+    assert "eval_results.json" in caplog.text
+    store.close()
+
+
 @pytest.fixture(params=["s3", "memory"])
 def shared_root(request, s3_server):
     if request.param == "memory":

@@ -273,7 +273,8 @@ class AsyncCheckpointer:
         keep_last: after each commit, keep ``keep_last`` committed steps:
             the one just committed and its lineage (the steps it continued
             from, through ``load``) first, then the most recently committed
-            (see ``steps``); delete the rest.  ``None`` keeps all.
+            (see ``steps``); delete the rest's checkpoints (files of
+            yours in their folders stay, with a warning).  ``None`` keeps all.
         gc_grace: after each commit, also delete the debris of failed saves
             (incomplete steps and open multipart uploads) once nothing
             under it is younger than ``gc_grace`` seconds, as ``dcpstore gc

@@ -23,7 +23,7 @@ import zlib
 from tqdm import tqdm
 
 from .errors import DcpstoreError, UnsafeCheckpointError
-from .layout import METADATA_KEY, StepInfo, StepNaming, list_steps, open_uploads, parse_step
+from .layout import METADATA_KEY, StepInfo, StepNaming, list_steps, open_uploads, parse_step, written_by_dcp
 from .storage import ObjectStore, open_store
 
 # torch (and the modules that need it) are imported by the commands that read
@@ -212,6 +212,11 @@ def cmd_gc(args) -> int:
         print(f"{'would abort' if args.dry_run else 'aborting'} multipart upload of {store.url_for(u.key)}")
     for s in plan.pruned:
         print(f"{verb} committed step {s.step} (beyond --keep-last {args.keep_last})")
+        others = [k for k in s.keys if not written_by_dcp(k)]
+        if others:
+            print(f"  {'would leave' if args.dry_run else 'leaving'} {len(others)} object(s) in its folder that no DCP writer wrote:")
+            for key in others:
+                print(f"    {store.url_for(f'{s.prefix}/{key}')}")
     if args.dry_run:
         return 0
     deleted = plan.run(store, progress=lambda items, desc, unit: _progress(items, desc, unit, at_least=5))

@@ -94,12 +94,38 @@ def list_steps(store: ObjectStore, naming: StepNaming | None = None) -> list[Ste
     return sorted(steps, key=lambda s: (s.step, s.prefix))
 
 
-def delete_committed_step(store: ObjectStore, prefix: str) -> None:
-    """Delete a committed step: ``.metadata`` first, so it stops being a checkpoint before its shards go."""
+def written_by_dcp(key: str) -> bool:
+    """Whether ``key`` (relative to its step) is what a DCP writer leaves: shards, ``.metadata*``, dcpstore's own objects.
+
+    By name, not by the ``storage_data`` of ``.metadata``: torch's writers
+    and dcpstore's name every shard ``*.distcp``, and reading ``.metadata``
+    to delete a step would cost a whole parse of it (minutes at thousands
+    of ranks).  A shard another writer named otherwise is left in place,
+    with the user's files: never deleted by mistake.
+    """
+    name = key.rpartition("/")[2]
+    return name.endswith(".distcp") or name.startswith((METADATA_KEY, ".dcpstore-"))
+
+
+def delete_committed_step(store: ObjectStore, prefix: str) -> list[str]:
+    """Delete a committed step's checkpoint: ``.metadata`` first, so it stops being one before its shards go.
+
+    Only what a DCP writer writes goes (``written_by_dcp``): a Hugging Face
+    export or an evaluation's results saved into the step's folder stay,
+    with a warning naming them.  Returns their keys, relative to the step.
+    """
     child = store.child(prefix)
     try:
         child.delete([METADATA_KEY])
-        child.delete([o.key for o in child.list()])
+        keys = [o.key for o in child.list()]
+        child.delete([k for k in keys if written_by_dcp(k)])
+        others = [k for k in keys if not written_by_dcp(k)]
+        if others:
+            logger.warning(
+                "%s: deleted the checkpoint; left %d object(s) no DCP writer wrote (%s); delete the folder to remove them",
+                child.url, len(others), ", ".join(others[:5]) + (", ..." if len(others) > 5 else ""),
+            )
+        return others
     finally:
         child.close()
 

@@ -53,6 +53,7 @@ from .layout import (
     list_steps,
     open_uploads,
     parse_step,
+    written_by_dcp,
 )
 from .errors import ObjectNotFoundError
 from .storage import MultipartUploadInfo, ObjectStore
@@ -218,7 +219,8 @@ def plan_gc(
     ``.dcpstore-*``): a folder with other files (a Hugging Face export) is
     someone's, and is left alone with a warning.  Committed steps beyond
     ``keep_last`` go by commit order and lineage (``retained``), except the
-    steps in ``keep``, as are incomplete steps in ``keep``.  ``grace=None``
+    steps in ``keep``, as are incomplete steps in ``keep``; of such a step
+    only its checkpoint goes, the other files stay (``delete_committed_step``).  ``grace=None``
     plans no debris at all.  ``order`` (records already read) saves requests.
     """
     now = time.time() if now is None else now
@@ -232,7 +234,7 @@ def plan_gc(
         for s in steps:
             if s.committed or s.step in keep or not old(s.last_modified) or s.prefix in active:
                 continue
-            foreign = [k for k in s.keys if not _written_by_dcp(k)]
+            foreign = [k for k in s.keys if not written_by_dcp(k)]
             if foreign:
                 logger.warning("%s: not deleted as a failed save's debris: it holds %s, which no DCP writer wrote",
                                store.url_for(s.prefix), foreign[0])
@@ -244,8 +246,3 @@ def plan_gc(
         pruned = [s for s in committed if s.step not in kept]
     return GcPlan(incomplete, uploads, pruned)
 
-
-def _written_by_dcp(key: str) -> bool:
-    """Whether ``key`` (relative to its step) is what a DCP writer leaves: shards, ``.metadata*``, dcpstore's own objects."""
-    name = key.rpartition("/")[2]
-    return name.endswith(".distcp") or name.startswith((METADATA_KEY, ".dcpstore-"))
