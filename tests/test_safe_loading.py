@@ -339,6 +339,21 @@ def test_custom_planner_data_type_needs_explicit_trust(root):
 # -- keys ---------------------------------------------------------------------------------------
 
 
+def test_an_item_whose_storage_info_lacks_its_fields_is_refused_by_name(root):
+    """A ``_StorageInfo`` unpickled without ``offset`` (a BUILD with another dict): our error naming the item, not an AttributeError."""
+    _save_step(root, {"w": torch.arange(4.0)})
+
+    def edit(metadata):
+        index, info = next(iter(metadata.storage_data.items()))
+        hollow = object.__new__(_StorageInfo)
+        hollow.__dict__["relative_path"] = info.relative_path
+        metadata.storage_data[index] = hollow
+
+    _rewrite_metadata(root, edit)
+    with pytest.raises(dcpstore.CorruptCheckpointError, match=r"\.metadata: item .* has offset None"):
+        dcpstore.ObjectStoreReader(root.step_url()).read_metadata()
+
+
 @pytest.mark.parametrize(
     "key",
     ["../other/x.distcp", "/etc/passwd", "a/../../x.distcp", "..\\..\\x.distcp", "s3://other-bucket/x.distcp", "", "a//b",

@@ -30,6 +30,7 @@ import functools
 import io
 import logging
 import os
+import reprlib
 import uuid
 from typing import Any, Iterable
 
@@ -475,7 +476,7 @@ def parse_metadata(raw: bytes, url: str, allow_globals: Iterable[Any] = ()) -> M
     except UnsafeCheckpointError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise CorruptCheckpointError(f"{url}: cannot unpickle the metadata ({e})") from e
+        raise CorruptCheckpointError(f"{url}: cannot unpickle the metadata ({_reason(e)})") from e
     if not isinstance(metadata, Metadata):
         raise CorruptCheckpointError(f"{url}: holds a {type(metadata).__name__}, not Metadata")
     if metadata.storage_data is not None:
@@ -506,12 +507,12 @@ def check_storage_data(storage_data: Any, url: str) -> None:
     checked: set[str] = set()
     for index, info in storage_data.items():
         if not isinstance(info, _StorageInfo):
-            raise CorruptCheckpointError(f"{url}: storage_data[{index!r}] is a {type(info).__name__}, not _StorageInfo")
+            raise CorruptCheckpointError(f"{url}: storage_data[{_shown(index)}] is a {type(info).__name__}, not _StorageInfo")
         for name in ("offset", "length"):
-            value = getattr(info, name)
+            value = getattr(info, name, None)  # an unpickled object need not have its class's fields
             if type(value) is not int or value < 0:
-                raise CorruptCheckpointError(f"{url}: item {index!r} has {name} {value!r}")
-        key = info.relative_path
+                raise CorruptCheckpointError(f"{url}: item {_shown(index)} has {name} {_shown(value)}")
+        key = getattr(info, "relative_path", None)
         if isinstance(key, str) and key in checked:  # a key of another type may not even hash
             continue
         if (
@@ -524,9 +525,30 @@ def check_storage_data(storage_data: Any, url: str) -> None:
             or any(part in ("", ".", "..") for part in key.split("/"))
         ):
             raise CorruptCheckpointError(
-                f"{url}: item {index!r} names the object {key!r}, which is not a key below the checkpoint prefix"
+                f"{url}: item {_shown(index)} names the object {_shown(key)}, which is not a key below the checkpoint prefix"
             )
         checked.add(key)
+
+
+# Values from an untrusted .metadata in messages: a repr that may raise (an
+# object missing its class's fields) or recurse is replaced, a long one cut.
+_UNTRUSTED_REPR = reprlib.Repr()
+_UNTRUSTED_REPR.maxstring = _UNTRUSTED_REPR.maxother = 300
+
+
+def _shown(value: Any) -> str:
+    try:
+        return _UNTRUSTED_REPR.repr(value)
+    except Exception:  # noqa: BLE001 - reprlib catches a failing repr only for instances of user classes
+        return f"<a {type(value).__name__}>"
+
+
+def _reason(error: Exception) -> str:
+    """``str(error)``, which for an error raised on untrusted data may itself fail (a recursive value)."""
+    try:
+        return str(error)[:1000]
+    except Exception:  # noqa: BLE001
+        return type(error).__name__
 
 
 def check_state_dict(state_dict: dict[str, Any], metadata: Metadata, where: str) -> None:
