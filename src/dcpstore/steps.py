@@ -219,9 +219,10 @@ def plan_gc(
     ``.dcpstore-*``): a folder with other files (a Hugging Face export) is
     someone's, and is left alone with a warning.  Committed steps beyond
     ``keep_last`` go by commit order and lineage (``retained``), except the
-    steps in ``keep``, as are incomplete steps in ``keep``; of such a step
-    only its checkpoint goes, the other files stay (``delete_committed_step``).  ``grace=None``
-    plans no debris at all.  ``order`` (records already read) saves requests.
+    steps in ``keep``, as are incomplete steps in ``keep``; of a pruned step
+    only its checkpoint goes, other files stay (``delete_committed_step``).
+    ``grace=None`` plans no debris at all.  ``order`` (records already read)
+    saves requests.
     """
     now = time.time() if now is None else now
     steps = list_steps(store, naming)
