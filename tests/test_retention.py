@@ -160,6 +160,33 @@ def test_torchtitan_step_names_keep_commit_order_and_stay_apart_from_dcpstore_na
     assert listed == [["5", "committed"], ["7", "committed"], ["20", "committed"]]
 
 
+def test_gc_keep_last_keeps_what_each_namings_checkpointer_keeps(root):
+    """A torchtitan-named run (step-100..300), then a dcpstore-named one (1..3), on one root: each numbers its own commits.
+
+    ``dcpstore gc --keep-last N`` orders each naming's steps as that
+    naming's checkpointer does: with 3 it deletes nothing, with 2 the
+    oldest of each, and never either run's newest.
+    """
+    from dcpstore.cli import main
+    from dcpstore.layout import StepNaming, committed_steps
+    from dcpstore.storage import open_store
+
+    with dcpstore.AsyncCheckpointer(root, step_naming=StepNaming.TORCHTITAN) as titan:
+        for step in (100, 200, 300):
+            _save(titan, step, step)
+    with dcpstore.AsyncCheckpointer(root) as ours:
+        for step in (1, 2, 3):
+            _save(ours, step, step)
+    store = open_store(root)
+    assert main(["gc", root, "--keep-last", "3"]) == 0
+    assert len(committed_steps(store)) == 6
+    assert main(["gc", root, "--keep-last", "2"]) == 0
+    assert [s.prefix for s in committed_steps(store)] == ["step_00000002", "step_00000003", "step-200", "step-300"]
+    with dcpstore.AsyncCheckpointer(root) as ours, dcpstore.AsyncCheckpointer(root, step_naming=StepNaming.TORCHTITAN) as titan:
+        assert ours.latest_step() == 3 and titan.latest_step() == 300
+    store.close()
+
+
 def test_gc_grace_deletes_failed_saves_debris_after_a_commit_and_spares_young_debris(root):
     """With ``gc_grace``, a commit also deletes incomplete steps older than the grace period, as ``dcpstore gc`` does."""
     from dcpstore.layout import list_steps

@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("gc", help="delete incomplete steps and stale uploads; optionally prune old steps")
     p.add_argument("root", help="checkpoint root")
-    p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep N committed steps: the newest commit and its lineage first, then the most recent (as AsyncCheckpointer's keep_last)")
+    p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep N committed steps of each naming: the newest commit and its lineage first, then the most recent (as AsyncCheckpointer's keep_last)")
     p.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                    help="leave incomplete steps and uploads younger than this alone (a save may be running); default 3600")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")

@@ -219,7 +219,9 @@ def plan_gc(
     ``.dcpstore-*``): a folder with other files (a Hugging Face export) is
     someone's, and is left alone with a warning.  Committed steps beyond
     ``keep_last`` go by commit order and lineage (``retained``), except the
-    steps in ``keep``, as are incomplete steps in ``keep``; of a pruned step
+    steps in ``keep``, as are incomplete steps in ``keep``; each naming's
+    steps apart, as its checkpointer keeps them (``naming=None``: both
+    namings, as ``dcpstore gc`` sees a root); of a pruned step
     only its checkpoint goes, other files stay (``delete_committed_step``).
     ``grace=None`` plans no debris at all.  ``order`` (records already read)
     saves requests.
@@ -242,8 +244,14 @@ def plan_gc(
                 continue
             incomplete.append(s)
         uploads = [u for u in step_uploads if old(u.initiated)]
-    if keep_last is not None and len(committed) > keep_last:
-        kept = retained((order or CommitOrder(store)).records(committed), keep_last) | keep
-        pruned = [s for s in committed if s.step not in kept]
-    return GcPlan(incomplete, uploads, pruned)
+    if keep_last is not None:
+        order = order or CommitOrder(store)
+        # Each naming's checkpointer numbers its commits among its own steps:
+        # ordered together, two runs' sequences would collide.
+        for form in StepNaming if naming is None else (naming,):
+            mine = [s for s in committed if form.parse(s.prefix) is not None]
+            if len(mine) > keep_last:
+                kept = retained(order.records(mine), keep_last) | keep
+                pruned += [s for s in mine if s.step not in kept]
+    return GcPlan(incomplete, uploads, sorted(pruned, key=lambda s: (s.step, s.prefix)))
 
