@@ -21,6 +21,7 @@ from torchtitan_workers import (  # noqa: E402
     pinned_round_trip,
     resume_then_save,
     rollback,
+    rollbacks_delete_only_reused_abandoned_steps,
     train_then_die,
 )
 
@@ -79,6 +80,21 @@ def test_a_rollback_saves_the_abandoned_step_numbers_again(bucket):
     assert redone["train_step"].item() == 4 and not torch.equal(redone["0.weight"], abandoned["0.weight"])
     assert committed == [1, 2, 3, 4]
     assert_same(resumed, redone)
+
+
+def test_a_rollback_deletes_only_the_abandoned_steps_it_saves_again(bucket):
+    """An explicit load_step deletes nothing by itself; a save deletes one committed step only when it reuses its number.
+
+    And only a step committed after the one loaded: loading the newest step
+    is no rollback, and loading the seed (step 0) deletes nothing, so its
+    save of step 1 is refused as a collision.
+    """
+    (result,) = run_ranks(rollbacks_delete_only_reused_abandoned_steps, 1, f"s3://{bucket}/run").values()
+    after_newest, after_rollback, seed_error, after_seed = result
+    assert after_newest == [0, 1, 2, 3, 4, 5]
+    assert after_rollback == [0, 1, 2, 4, 5, 3]  # 3 again (committed last); 4 and 5 were not reused, so they stay
+    assert seed_error is not None and "step 1 is already committed" in seed_error
+    assert after_seed == after_rollback
 
 
 def test_failed_saves_never_cost_a_committed_step_and_debris_goes(bucket, s3, proxy):

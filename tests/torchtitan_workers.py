@@ -127,6 +127,41 @@ def rollback(rank, world_size, root):
     return abandoned, redone, committed, resumed
 
 
+def rollbacks_delete_only_reused_abandoned_steps(rank, world_size, root):
+    """Steps 0-4; load 4 and save 5; roll back to 2 and save 3 only; load 0 (a seed) and save 1: committed steps after each."""
+
+    def committed(job):
+        return job.manager.checkpointer.committed_steps()
+
+    job = Job(root, keep_latest_k=0)
+    job.manager.save(0)
+    job.train_and_save(4)
+    job.close()
+
+    job = Job(root, keep_latest_k=0)  # an explicit load_step that is the newest step: no rollback
+    assert job.manager.load(step=4)
+    job.train_and_save(1)
+    after_newest = committed(job)
+    job.close()
+
+    job = Job(root, keep_latest_k=0)  # a rollback that saves one step: only that number is reused
+    assert job.manager.load(step=2)
+    job.train_and_save(1)
+    after_rollback = committed(job)
+    job.close()
+
+    job = Job(root, keep_latest_k=0)  # the seed checkpoint: its save of step 1 collides, and deletes nothing
+    assert job.manager.load(step=0)
+    try:
+        job.train_and_save(1)
+        seed_error = None
+    except Exception as e:  # noqa: BLE001 - returned to the test
+        seed_error = str(e)
+    after_seed = committed(job)
+    job.close()
+    return after_newest, after_rollback, seed_error, after_seed
+
+
 def failed_saves(rank, world_size, root, proxy_endpoint):
     """keep_latest_k=2: steps 1-2 commit, the proxy fails steps 3-4, step 5 commits; committed steps after each phase."""
     import dcpstore

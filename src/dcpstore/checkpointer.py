@@ -820,25 +820,32 @@ class AsyncCheckpointer:
         steps = self._agreed(self._ordered_steps, "listing the committed steps")
         return steps[-1] if steps else None
 
-    def discard_steps_above(self, step: int) -> list[int]:
-        """Delete the committed steps numbered above ``step`` (``.metadata`` first); the steps deleted.  Call it on every rank.
+    def steps_committed_after(self, step: int) -> list[int]:
+        """The committed steps whose commits came after ``step``'s, oldest first (commit order, not number); agreed on by all ranks.
 
-        For a rollback whose saves reuse those numbers (torchtitan saves
-        every ``interval`` steps), since steps are never overwritten.
-        Waits for pending saves first (raising their errors).
+        ``[]`` when ``step`` is not committed.  Call it on every rank.  What
+        a rollback to ``step`` abandons (``discard_step``).  Waits for
+        pending saves first (raising their errors).
         """
         self.wait()
 
-        def discard() -> list[int]:
-            doomed = [s for s in committed_steps(self.store, self.step_naming) if s.step > step]
-            for info in doomed:
-                delete_committed_step(self.store, info.prefix)
-            return [info.step for info in doomed]
+        def after() -> list[int]:
+            order = self._ordered_steps()
+            return order[order.index(step) + 1 :] if step in order else []
 
-        discarded = self._agreed(discard, f"deleting the committed steps above {step}")
-        for gone in discarded:
-            self._order.forget(self.step_prefix(gone))
-        return discarded
+        return self._agreed(after, f"listing the steps committed after step {step}")
+
+    def discard_step(self, step: int) -> None:
+        """Delete committed step ``step``'s checkpoint (``.metadata`` first; your files in its folder stay).  Call it on every rank.
+
+        For a rollback that saves a step it abandoned again under the same
+        number (torchtitan saves every ``interval`` steps): steps are never
+        overwritten.  Waits for pending saves first (raising their errors).
+        """
+        self.wait()
+        prefix = self.step_prefix(step)
+        self._agreed(lambda: delete_committed_step(self.store, prefix), f"deleting step {step}")
+        self._order.forget(prefix)
 
     def _agreed(self, fn: Callable[[], Any], what: str) -> Any:
         """``fn()``, run on the coordinator, on every rank; its error raised on every rank (not a peer left waiting)."""

@@ -22,10 +22,12 @@ What changes against torchtitan's manager:
 - **Which step resumes.**  The newest *committed* step, by commit order
   (``dcpstore.steps``), not the highest folder number with a
   ``.metadata``; ``load_step`` still picks one.  Loading an explicit
-  ``load_step`` is a rollback: steps are never overwritten, so the first
-  save after it deletes the committed steps numbered above it (a warning
-  names them), whose numbers this run is about to save again; torchtitan's
-  own writer would overwrite them one by one.  ``load_only`` deletes nothing.
+  ``load_step`` is a rollback when steps were committed after it: a load
+  deletes nothing, and a later save that reuses the number of such an
+  abandoned step deletes that one step first (a warning names it), since
+  steps are never overwritten; torchtitan's own writer would overwrite it
+  object by object.  ``load_step=0`` (the seed checkpoint), ``load_only``
+  and a job that never saves delete nothing.
 - **Retention.**  ``keep_latest_k`` keeps that many committed steps (the
   newest commit and its lineage first, then the newest), and deletes the
   debris of failed saves once nothing under it is younger than
@@ -110,7 +112,9 @@ class CheckpointManager(TorchtitanCheckpointManager):
             return
         self.async_mode = AsyncMode(config.async_mode)
         self.keep_latest_k = config.keep_latest_k
-        self._rolled_back_to: int | None = None  # an explicit load_step, until the first save above it
+        # An explicit load_step (a rollback), while saves may reuse the numbers of the steps it abandoned:
+        self._rolled_back_to: int | None = None
+        self._abandoned: set[int] | None = None  # those steps (committed after it), read at the first save
         self.checkpointer = AsyncCheckpointer(
             self.folder,
             storage_options=config.storage_options,
@@ -149,14 +153,7 @@ class CheckpointManager(TorchtitanCheckpointManager):
         step = self._step_of(checkpoint_id)
         if to_hf or step is None:
             return super().dcp_save(state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
-        if self._rolled_back_to is not None and step > self._rolled_back_to:
-            discarded = self.checkpointer.discard_steps_above(self._rolled_back_to)  # on every rank
-            if discarded:
-                logger.warning(
-                    f"Rolled back to step {self._rolled_back_to}: deleted the committed steps {discarded} "
-                    "it abandoned, whose numbers this run saves again."
-                )
-            self._rolled_back_to = None
+        self._make_room_after_a_rollback(step)
         handle = self.checkpointer.save(state_dict, step)
         result: Future | AsyncSaveResponse | None = None
         if async_mode is AsyncMode.DISABLED:
@@ -172,6 +169,28 @@ class CheckpointManager(TorchtitanCheckpointManager):
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return result
+
+    def _make_room_after_a_rollback(self, step: int) -> None:
+        """Before saving ``step`` after a rollback: delete the committed step of that number if the rollback abandoned it.
+
+        Abandoned means committed after the step loaded (commit order): a
+        step that came before it is history the run continued from, and a
+        step numbered like it but never reached again is left alone.  The
+        set is read once, at the first save after the load (all ranks
+        agree on it), and is done with once the run saves above it.
+        """
+        if self._rolled_back_to is None:
+            return
+        if self._abandoned is None:
+            self._abandoned = set(self.checkpointer.steps_committed_after(self._rolled_back_to))  # on every rank
+        if step in self._abandoned:
+            logger.warning(
+                f"Rolled back to step {self._rolled_back_to}: deleting the committed step {step}, which it "
+                f"abandoned, to save step {step} again."
+            )
+            self.checkpointer.discard_step(step)  # on every rank
+        if step >= max(self._abandoned, default=-1):  # no later save reuses an abandoned number
+            self._rolled_back_to = self._abandoned = None
 
     def _maybe_wait_for_staging(self) -> None:
         """Make the training streams wait for the last save's copies, on the GPU (torchtitan calls it before the optimizer step)."""
@@ -199,8 +218,8 @@ class CheckpointManager(TorchtitanCheckpointManager):
                 logger.info("No checkpoint was provided, this is a fresh start.")
                 return False
             step = latest
-        elif not self.load_only:
-            self._rolled_back_to = step
+        elif not self.load_only and step != 0:  # step 0 is the seed checkpoint, not a rollback
+            self._rolled_back_to, self._abandoned = step, None
         checkpoint_id = self._create_checkpoint_id(step)
         logger.info(f"Loading the checkpoint from {checkpoint_id}.")
         begin = time.monotonic()
