@@ -9,6 +9,7 @@ stores of the measured run is.
 """
 
 import ctypes
+import gc
 import os
 import threading
 import time
@@ -28,7 +29,11 @@ RSS_TOLERANCE = 20 << 20
 
 
 def rss() -> int:
-    """Resident memory, after glibc gives back what it holds freed.
+    """Resident memory, after the collector frees unreachable cycles and glibc gives back what it holds freed.
+
+    A cycle (a frame, a traceback) may keep a buffer until the collector
+    runs, which in a long process can be any time: what this test counts is
+    memory still reachable, so it collects first.
 
     A freed buffer of up to 32 MiB raises glibc's mmap threshold to its size
     and its trim threshold to twice that, so the next buffers of that size
@@ -36,6 +41,7 @@ def rss() -> int:
     in a process that had run other tests first (torch 2.15), with nothing
     alive.  ``malloc_trim`` returns it; a buffer still referenced stays.
     """
+    gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except OSError:
