@@ -23,7 +23,7 @@ import zlib
 from tqdm import tqdm
 
 from .errors import DcpstoreError, UnsafeCheckpointError
-from .layout import METADATA_KEY, StepInfo, StepNaming, list_steps, open_uploads, parse_step, written_by_dcp
+from .layout import METADATA_KEY, StepInfo, StepNaming, list_steps, open_uploads, not_written_by_dcp, parse_step
 from .storage import ObjectStore, open_store
 
 # torch (and the modules that need it) are imported by the commands that read
@@ -212,7 +212,7 @@ def cmd_gc(args) -> int:
         print(f"{'would abort' if args.dry_run else 'aborting'} multipart upload of {store.url_for(u.key)}")
     for s in plan.pruned:
         print(f"{verb} committed step {s.step} (beyond --keep-last {args.keep_last})")
-        others = [k for k in s.keys if not written_by_dcp(k)]
+        others = not_written_by_dcp(s.keys)
         if others:
             print(f"  {'would leave' if args.dry_run else 'leaving'} {len(others)} object(s) in its folder that no DCP writer wrote:")
             for key in others:

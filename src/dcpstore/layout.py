@@ -107,6 +107,11 @@ def written_by_dcp(key: str) -> bool:
     return name.endswith(".distcp") or name.startswith((METADATA_KEY, ".dcpstore-"))
 
 
+def not_written_by_dcp(keys) -> list[str]:
+    """Those of ``keys`` that no DCP writer wrote (``written_by_dcp``): the user's files, which dcpstore never deletes."""
+    return [k for k in keys if not written_by_dcp(k)]
+
+
 def delete_committed_step(store: ObjectStore, prefix: str) -> list[str]:
     """Delete a committed step's checkpoint: ``.metadata`` first, so it stops being one before its shards go.
 
@@ -119,7 +124,7 @@ def delete_committed_step(store: ObjectStore, prefix: str) -> list[str]:
         child.delete([METADATA_KEY])
         keys = [o.key for o in child.list()]
         child.delete([k for k in keys if written_by_dcp(k)])
-        others = [k for k in keys if not written_by_dcp(k)]
+        others = not_written_by_dcp(keys)
         if others:
             logger.warning(
                 "%s: deleted the checkpoint; left %d object(s) no DCP writer wrote (%s); delete the folder to remove them",

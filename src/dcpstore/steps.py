@@ -53,7 +53,7 @@ from .layout import (
     list_steps,
     open_uploads,
     parse_step,
-    written_by_dcp,
+    not_written_by_dcp,
 )
 from .errors import ObjectNotFoundError
 from .storage import MultipartUploadInfo, ObjectStore
@@ -237,7 +237,7 @@ def plan_gc(
         for s in steps:
             if s.committed or s.step in keep or not old(s.last_modified) or s.prefix in active:
                 continue
-            foreign = [k for k in s.keys if not written_by_dcp(k)]
+            foreign = not_written_by_dcp(s.keys)
             if foreign:
                 logger.warning("%s: not deleted as a failed save's debris: it holds %s, which no DCP writer wrote",
                                store.url_for(s.prefix), foreign[0])
