@@ -1,5 +1,6 @@
 import os
 import pickle
+import time
 import uuid
 
 import boto3
@@ -149,3 +150,16 @@ def read_metadata_raw(s3, bucket: str, prefix: str):
 def object_exists(s3, bucket: str, key: str) -> bool:
     resp = s3.list_objects_v2(Bucket=bucket, Prefix=key)
     return any(o["Key"] == key for o in resp.get("Contents", []))
+
+
+def wait_until_older_than(store, seconds: float) -> None:
+    """Wait until everything under ``store``, objects and open uploads, is older than ``seconds`` on its server's clock.
+
+    For tests of what a grace period lets go: objects cannot be backdated,
+    so the test waits for them to age (polling the server's clock).
+    """
+    times = [o.last_modified for o in store.list()]
+    times += [store.upload_last_active(u) for u in store.list_multipart_uploads()]
+    newest = max((t for t in times if t is not None), default=0.0)
+    while store.server_time() - newest <= seconds:
+        time.sleep(0.2)

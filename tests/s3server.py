@@ -7,6 +7,11 @@ SlowDown, 500, 403), delays them, cuts the connection before or after the
 server acted on them (a lost response), or cuts a response body short.
 ``ThrottleModel`` makes it answer like S3 under load: a request rate per
 partition of the key space, with 503 SlowDown for the excess.
+
+It also reports times as AWS does, where moto does not (``aws_times``): an
+open upload's ``Initiated`` is when it began (moto: always 2010), and a
+multipart object's LastModified is when its upload began (moto: when it
+completed), in listings and in HEAD and GET answers.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import bisect
 import collections
 import dataclasses
+import email.utils
+import html
 import http.client
 import http.server
 import re
@@ -38,10 +45,12 @@ class Rule:
     short: bool = False  # forward, then answer with half the body under a Content-Length that says so
     corrupt: bool = False  # forward, then flip every bit of the body's middle byte (damage in transit)
     lands_after: float | None = None  # with status: answer at once, and forward the request this many seconds later
+    hold: threading.Event | None = None  # wait for this event before acting (after any delay)
     after: int = 0  # let this many matching requests through first (fail the Nth attempt)
     times: int | None = None  # apply this many times, then stop (None: always)
     seen: int = 0  # matching requests so far
     hits: int = 0  # requests the fault was applied to
+    arrived: threading.Event = dataclasses.field(default_factory=threading.Event)  # a request the fault applies to came
     answered: threading.Event = dataclasses.field(default_factory=threading.Event)  # a faulted request's handler is done
     answered_at: float | None = None  # time.time() when it was (comparable across the test's processes)
 
@@ -159,6 +168,9 @@ class FaultProxy:
         self.throttle: ThrottleModel | None = None  # S3's rate limit, applied to requests no rule faults
         # Enforce If-Match on CompleteMultipartUpload as AWS does (moto 5.2 ignores it there).
         self.if_match_on_completion = False
+        self.aws_times = True  # report upload and multipart object times as AWS does (see the module docstring)
+        self._initiated: dict[str, float] = {}  # upload id -> when CreateMultipartUpload was answered
+        self._began: dict[str, float] = {}  # "/bucket/key" -> when the upload that wrote the object began
         self._lock = threading.Lock()
         proxy = self
 
@@ -200,6 +212,8 @@ class FaultProxy:
                     rule = Rule(self.command, re.compile(""), status=412, code="PreconditionFailed")
                 if rule is not None and rule.delay:
                     time.sleep(rule.delay)
+                if rule is not None and rule.hold is not None:
+                    rule.hold.wait()
                 if rule is not None and rule.reset:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
@@ -224,12 +238,15 @@ class FaultProxy:
                     return
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
                 resp, data = proxy._forward(self.command, self.path, body, headers)
+                data, last_modified = proxy._as_aws_reports(self.command, self.path, body, resp.status, data)
                 if rule is not None and rule.drop_response:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
                     return
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
+                    if k.lower() == "last-modified" and last_modified is not None:
+                        v = last_modified
                     if k.lower() not in ("transfer-encoding", "content-length", "connection"):
                         self.send_header(k, v)
                 if rule is not None and rule.short:
@@ -265,6 +282,55 @@ class FaultProxy:
         self.landed.append((method, path, resp.status))
         return resp, data
 
+    def _as_aws_reports(self, method: str, path: str, body: bytes, status: int, data: bytes) -> tuple[bytes, str | None]:
+        """Track when uploads began, and rewrite the times moto reports to AWS's: the body, and a Last-Modified header or ``None``."""
+        if not self.aws_times or status >= 300:
+            return data, None
+        url = urllib.parse.urlsplit(path)
+        query = urllib.parse.parse_qs(url.query, keep_blank_values=True)
+        obj = urllib.parse.unquote(url.path)
+        with self._lock:
+            if method == "POST" and "uploads" in query:
+                upload_id = re.search(rb"<UploadId>([^<]+)</UploadId>", data)
+                if upload_id:
+                    self._initiated[upload_id.group(1).decode()] = time.time()
+            elif method == "POST" and "uploadId" in query:
+                began = self._initiated.pop(query["uploadId"][0], None)
+                if began is not None:
+                    self._began[obj] = began
+            elif method == "DELETE" and "uploadId" in query:
+                self._initiated.pop(query["uploadId"][0], None)
+            elif method in ("PUT", "DELETE") and "uploadId" not in query:
+                self._began.pop(obj, None)  # replaced by a single PUT, or deleted
+            elif method == "POST" and "delete" in query:
+                bucket = obj.rstrip("/")
+                for key in re.findall(rb"<Key>([^<]+)</Key>", body):
+                    self._began.pop(f"{bucket}/{html.unescape(key.decode())}", None)
+            elif method in ("GET", "HEAD") and obj in self._began:
+                return data, email.utils.formatdate(self._began[obj], usegmt=True)
+            elif method == "GET" and "uploads" in query:
+                return self._rewrite(data, rb"<Upload>.*?</Upload>", rb"<UploadId>([^<]+)</UploadId>", rb"Initiated",
+                                     lambda upload_id: self._initiated.get(upload_id)), None
+            elif method == "GET" and "list-type" in query:
+                bucket = obj.rstrip("/")
+                return self._rewrite(data, rb"<Contents>.*?</Contents>", rb"<Key>([^<]+)</Key>", rb"LastModified",
+                                     lambda key: self._began.get(f"{bucket}/{urllib.parse.unquote(html.unescape(key))}")), None
+        return data, None
+
+    @staticmethod
+    def _rewrite(data: bytes, entry: bytes, name: bytes, field: bytes, time_of) -> bytes:
+        """``data`` with the ``field`` of each XML ``entry`` set to ``time_of(its name)``, where that is not ``None``."""
+
+        def one(match: re.Match) -> bytes:
+            found = re.search(name, match.group(0))
+            when = time_of(found.group(1).decode()) if found else None
+            if when is None:
+                return match.group(0)
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(when)) + f".{int(when % 1 * 1000):03d}Z"
+            return re.sub(rb"<%s>[^<]*</%s>" % (field, field), b"<%s>%s</%s>" % (field, stamp.encode(), field), match.group(0))
+
+        return re.sub(entry, one, data, flags=re.S)
+
     def add(self, method: str, pattern: str, **kwargs) -> Rule:
         rule = Rule(method=method, pattern=re.compile(pattern), **kwargs)
         with self._lock:
@@ -294,6 +360,7 @@ class FaultProxy:
         with self._lock:
             self.throttle = None
             self.if_match_on_completion = False
+            self.aws_times = True
             self.rules.clear()
             self.requests.clear()
             self.headers.clear()
@@ -308,6 +375,7 @@ class FaultProxy:
                     if rule.seen <= rule.after:
                         continue
                     rule.hits += 1
+                    rule.arrived.set()
                     return rule
         return None
 

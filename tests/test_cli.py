@@ -4,13 +4,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 import dcpstore
 from dcpstore.cli import main
-from conftest import object_exists
+from conftest import object_exists, wait_until_older_than
 
 
 @pytest.fixture
@@ -106,12 +107,15 @@ def test_verify_ok_then_truncated_then_corrupted(run_root, s3, bucket, capsys):
 
 @pytest.mark.also_rgw
 def test_gc_dry_run_then_for_real(run_root, s3, bucket, capsys):
+    from dcpstore.storage import open_store
+
     root, upload_id = run_root
-    assert main(["gc", root, "--keep-last", "1", "--grace", "0", "--dry-run"]) == 0
+    wait_until_older_than(open_store(root), 1)
+    assert main(["gc", root, "--keep-last", "1", "--grace", "1", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "would delete incomplete step 300" in out and "would abort" in out and "would delete committed step 100" in out
     assert object_exists(s3, bucket, "run-7/step_00000300/__0_0.distcp")  # dry run touched nothing
-    assert main(["gc", root, "--keep-last", "1", "--grace", "0"]) == 0
+    assert main(["gc", root, "--keep-last", "1", "--grace", "1"]) == 0
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]}
     assert not any(k.startswith("run-7/step_00000300/") or k.startswith("run-7/step_00000100/") for k in keys)
     assert "run-7/step_00000200/.metadata" in keys  # the newest committed step is never touched
@@ -176,7 +180,7 @@ def test_gc_never_deletes_a_step_that_commits_after_the_listing(run_root, s3, bu
 
     root, _ = run_root
     store = open_store(root)
-    step = next(s for s in plan_gc(store, None, grace=0).incomplete if s.step == 300)
+    step = next(s for s in plan_gc(store, None, grace=1, now=time.time() + 60).incomplete if s.step == 300)
     s3.put_object(Bucket=bucket, Key="run-7/step_00000300/.metadata", Body=b"committed meanwhile")
     assert not delete_incomplete_step(store, step)
     assert object_exists(s3, bucket, "run-7/step_00000300/__0_0.distcp")
@@ -189,7 +193,7 @@ def test_gc_on_a_server_without_list_multipart_uploads(run_root, proxy, caplog):
     root, _ = run_root
     rule = proxy.add("GET", r"\?uploads", status=501, code="NotImplemented")
     store = open_store(root, storage_options={"endpoint_url": proxy.endpoint})
-    plan = plan_gc(store, None, grace=0)
+    plan = plan_gc(store, None, grace=1, now=time.time() + 60)
     assert [s.step for s in plan.incomplete] == [300] and plan.uploads == []
     assert rule.hits == 1  # 501 is not retried
     assert "open multipart uploads could not be listed" in caplog.text

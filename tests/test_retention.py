@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import dcpstore
+from conftest import wait_until_older_than
 
 SD = {"w": torch.arange(6.0)}
 
@@ -134,7 +135,7 @@ def test_gc_keep_last_follows_commit_order_too(root, capsys):
     with dcpstore.AsyncCheckpointer(root) as ckpt:
         _save(ckpt, 300, 3)
         _save(ckpt, 250, 2)
-    assert main(["gc", root, "--keep-last", "1", "--grace", "0"]) == 0
+    assert main(["gc", root, "--keep-last", "1"]) == 0
     assert "deleting committed step 300" in capsys.readouterr().out
     with dcpstore.AsyncCheckpointer(root) as ckpt:
         assert ckpt.committed_steps() == [250]
@@ -198,7 +199,8 @@ def test_gc_grace_deletes_failed_saves_debris_after_a_commit_and_spares_young_de
         _save(ckpt, 4, 4)  # the debris is seconds old: it may be a save still running
         assert [s.step for s in list_steps(store)] == [3, 4]
     store.put("step_00000002/model.safetensors.index.json", b"{}")  # someone's export, not a failed save
-    with dcpstore.AsyncCheckpointer(root, keep_last=5, gc_grace=0) as ckpt:
+    wait_until_older_than(store, 1)
+    with dcpstore.AsyncCheckpointer(root, keep_last=5, gc_grace=1) as ckpt:
         _save(ckpt, 5, 5)
     assert [(s.step, s.committed) for s in list_steps(store)] == [(2, False), (4, True), (5, True)]
 

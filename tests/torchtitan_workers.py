@@ -166,7 +166,7 @@ def failed_saves(rank, world_size, root, proxy_endpoint):
     """keep_latest_k=2: steps 1-2 commit, the proxy fails steps 3-4, step 5 commits; committed steps after each phase."""
     import dcpstore
 
-    job = Job(root, keep_latest_k=2, gc_grace=0, storage_options={"endpoint_url": proxy_endpoint})
+    job = Job(root, keep_latest_k=2, gc_grace=1, storage_options={"endpoint_url": proxy_endpoint})
     job.train_and_save(2)
     errors = []
     for _ in range(2):

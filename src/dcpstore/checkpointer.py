@@ -73,7 +73,7 @@ from .layout import METADATA_KEY, StepNaming, committed_steps, delete_committed_
 from .plan_cache import CachedPlan, PlanCache, describe_source
 from .reader import ObjectStoreReader, check_state_dict, no_metadata_error, parse_metadata, read_metadata_bytes
 from .staging import StagedItems, StagingPool
-from .steps import CommitOrder, CommitRecord, plan_gc
+from .steps import CommitOrder, CommitRecord, check_grace, plan_gc
 from .storage import TransferConfig, normalize_url, open_store
 from .writer import ObjectStoreWriter, carried_plan
 
@@ -277,8 +277,9 @@ class AsyncCheckpointer:
             yours in their folders stay, with a warning).  ``None`` keeps all.
         gc_grace: after each commit, also delete the debris of failed saves
             (incomplete steps and open multipart uploads) once nothing
-            under it is younger than ``gc_grace`` seconds, as ``dcpstore gc
-            --grace`` does.  ``None`` (the default) leaves debris to ``gc``.
+            under their step, no object and no upload's newest part, changed
+            for ``gc_grace`` seconds of the server's clock, as ``dcpstore gc
+            --grace`` does (positive).  ``None`` (the default) leaves debris to ``gc``.
         planning: ``"central"`` (torch's gather/scatter through a
             coordinator) or ``"decentralized"`` (one all-gather; every rank
             builds the global plan itself).
@@ -335,6 +336,8 @@ class AsyncCheckpointer:
             raise ValueError(f"planning must be one of {PLANNING_MODES}, got {planning!r}")
         if keep_last is not None and keep_last < 1:
             raise ValueError("keep_last must be >= 1 or None")
+        if gc_grace is not None:
+            check_grace(gc_grace)
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         self.root = normalize_url(root)

@@ -230,6 +230,16 @@ def cmd_demo(args) -> int:
     return run_demo(steps=args.steps, save_every=args.save_every, root=args.root)
 
 
+def _positive_seconds(text: str) -> float:
+    from .steps import check_grace
+
+    try:
+        check_grace(float(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return float(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dcpstore", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -253,8 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gc", help="delete incomplete steps and stale uploads; optionally prune old steps")
     p.add_argument("root", help="checkpoint root")
     p.add_argument("--keep-last", type=int, default=None, metavar="N", help="keep N committed steps of each naming: the newest commit and its lineage first, then the most recent (as AsyncCheckpointer's keep_last)")
-    p.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
-                   help="leave incomplete steps and uploads younger than this alone (a save may be running); default 3600")
+    p.add_argument("--grace", type=_positive_seconds, default=3600.0, metavar="SECONDS",
+                   help="leave a step's debris alone until nothing under it, no object and no upload's newest part, "
+                        "changed for this long on the server's clock (a save may be running); positive, default 3600")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     p.set_defaults(func=cmd_gc)
 

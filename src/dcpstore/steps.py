@@ -32,16 +32,16 @@ run committed with the same sequence in between: it is never pruned by the
 save that reported it committed.
 
 Failed saves leave debris: an incomplete step (shards, no ``.metadata``) and
-open multipart uploads.  Debris is only deleted once nothing under it is
-younger than a grace period (``plan_gc``): until then it may be a save still
-running (another job's, or a commit whose outcome is not known yet).
+open multipart uploads.  Debris is only deleted once nothing under its step,
+no object and no upload's newest part, changed within a grace period, on the
+server's clock (``plan_gc``): until then it may be a save still running
+(another job's, or a commit whose outcome is not known yet).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 from .commit import PARENT_KEY, SEQUENCE_KEY, tags_in_object
 from .layout import (
@@ -212,30 +212,32 @@ def plan_gc(
 ) -> GcPlan:
     """What a collection of ``store``'s root deletes: only steps (named in ``naming``'s form, if given).
 
-    An incomplete step is only a candidate when nothing under it, neither
-    an object nor an open multipart upload, is younger than ``grace`` (or
-    of unknown age): a save may still be running there.  It must also hold
-    nothing but what DCP writers write (shards, ``.metadata*``, dcpstore's
-    ``.dcpstore-*``): a folder with other files (a Hugging Face export) is
-    someone's, and is left alone with a warning.  Committed steps beyond
-    ``keep_last`` go by commit order and lineage (``retained``), except the
-    steps in ``keep``, as are incomplete steps in ``keep``; each naming's
-    steps apart, as its checkpointer keeps them (``naming=None``: both
-    namings, as ``dcpstore gc`` sees a root); of a pruned step
-    only its checkpoint goes, other files stay (``delete_committed_step``).
-    ``grace=None`` plans no debris at all.  ``order`` (records already read)
-    saves requests.
+    Debris goes only from a dead step (``live_steps``): one where nothing,
+    neither an object nor an open multipart upload, changed within
+    ``grace`` seconds of the server's clock (``now``, read from the server
+    if not given).  A live step loses nothing: none of its uploads is
+    aborted, none of its objects deleted.  An incomplete step must also
+    hold nothing but what DCP writers write (shards, ``.metadata*``,
+    dcpstore's ``.dcpstore-*``): a folder with other files (a Hugging Face
+    export) is someone's, and is left alone with a warning.  Committed
+    steps beyond ``keep_last`` go by commit order and lineage
+    (``retained``), except the steps in ``keep``, as are incomplete steps
+    in ``keep``; each naming's steps apart, as its checkpointer keeps them
+    (``naming=None``: both namings, as ``dcpstore gc`` sees a root); of a
+    pruned step only its checkpoint goes, other files stay
+    (``delete_committed_step``).  ``grace=None`` plans no debris at all.
+    ``order`` (records already read) saves requests.
     """
-    now = time.time() if now is None else now
     steps = list_steps(store, naming)
     committed = [s for s in steps if s.committed]
     incomplete, uploads, pruned = [], [], []
     if grace is not None:
-        old = lambda t: t is not None and t < now - grace  # noqa: E731
-        step_uploads = [u for u in open_uploads(store) if parse_step(u.key.split("/", 1)[0], naming) is not None]
-        active = {u.key.split("/", 1)[0] for u in step_uploads if not old(u.initiated)}
+        check_grace(grace)
+        now = store.server_time() if now is None else now
+        step_uploads = [u for u in open_uploads(store) if parse_step(_step_of(u), naming) is not None]
+        live = live_steps(store, steps, step_uploads, now - grace)
         for s in steps:
-            if s.committed or s.step in keep or not old(s.last_modified) or s.prefix in active:
+            if s.committed or s.step in keep or s.prefix in live:
                 continue
             foreign = not_written_by_dcp(s.keys)
             if foreign:
@@ -243,7 +245,7 @@ def plan_gc(
                                store.url_for(s.prefix), foreign[0])
                 continue
             incomplete.append(s)
-        uploads = [u for u in step_uploads if old(u.initiated)]
+        uploads = [u for u in step_uploads if _step_of(u) not in live]
     if keep_last is not None:
         order = order or CommitOrder(store)
         # Each naming's checkpointer numbers its commits among its own steps:
@@ -255,3 +257,33 @@ def plan_gc(
                 pruned += [s for s in mine if s.step not in kept]
     return GcPlan(incomplete, uploads, sorted(pruned, key=lambda s: (s.step, s.prefix)))
 
+
+def check_grace(grace: float) -> None:
+    """A grace must be a positive number of seconds: at zero or below, a save that is running is debris."""
+    if not grace > 0:
+        raise ValueError(f"the grace period must be positive (seconds a running save may go without any change), got {grace}")
+
+
+def live_steps(store: ObjectStore, steps: list[StepInfo], uploads: list[MultipartUploadInfo], since: float) -> set[str]:
+    """The prefixes of the steps where something changed at or after ``since`` (server time): a save may run there.
+
+    A step is live when any object under it, or any open upload's newest
+    part (``upload_last_active``), is that recent, or of unknown age (an
+    upload gone since it was listed just completed or was aborted).  Not
+    by an upload's start: S3 stamps a multipart object, and lists an open
+    upload, with the time its upload *began*, so a long upload's finished
+    shard looks old the moment it lands.  ``ListParts`` is asked only for
+    uploads that began before ``since`` in steps not already known live:
+    one request per old upload, none in the steady state of a running save.
+    """
+    recent = lambda t: t is None or t >= since  # noqa: E731
+    live = {s.prefix for s in steps if recent(s.last_modified)}
+    for upload in sorted(uploads, key=lambda u: u.initiated or 0.0, reverse=True):
+        prefix = _step_of(upload)
+        if prefix not in live and (recent(upload.initiated) or recent(store.upload_last_active(upload))):
+            live.add(prefix)
+    return live
+
+
+def _step_of(upload: MultipartUploadInfo) -> str:
+    return upload.key.split("/", 1)[0]

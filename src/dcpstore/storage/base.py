@@ -280,6 +280,24 @@ class ObjectStore:
         """Abort one multipart upload; only object stores have them."""
         raise NotImplementedError
 
+    def upload_last_active(self, upload: MultipartUploadInfo) -> float | None:
+        """When the upload last changed: its newest part's time (``ListParts``), or when it began if it has none.
+
+        An upload's start says nothing about whether it still runs: a 50 GB
+        object over a shared link, or a throttled one, sends parts for hours.
+        ``None``: it is gone (completed or aborted).  Only object stores have uploads.
+        """
+        return upload.initiated
+
+    def server_time(self) -> float:
+        """The storage server's clock now (seconds since the epoch), which stamps its objects' times.
+
+        Ages of objects are measured on it, never on this host's clock: a
+        host whose clock runs ahead would see live saves as old.  A local
+        filesystem is stamped by this host's clock.
+        """
+        return time.time()
+
     def settle_aborts(self) -> None:
         """Finish the aborts of this store's uploads that failed during a save; warn of any left open.
 

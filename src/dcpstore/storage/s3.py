@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import email.utils
 import functools
 import hashlib
 import itertools
@@ -597,6 +598,39 @@ class S3ObjectStore(ObjectStore):
 
     def abort_upload(self, key: str, upload_id: str) -> None:
         self._run(self._abort(key, upload_id))
+
+    def upload_last_active(self, upload: MultipartUploadInfo) -> float | None:
+        return self._run(self._upload_last_active(upload))
+
+    async def _upload_last_active(self, upload: MultipartUploadInfo) -> float | None:
+        bucket, path = self._split(upload.key)
+        kwargs: dict[str, Any] = {"Bucket": bucket, "Key": path, "UploadId": upload.upload_id}
+        newest = upload.initiated
+        while True:
+            try:
+                resp = await self._call("LIST-PARTS", upload.key, "list_parts", **kwargs)
+            except ObjectNotFoundError:  # NoSuchUpload: completed or aborted since it was listed
+                return None
+            times = [p["LastModified"].timestamp() for p in resp.get("Parts", []) if p.get("LastModified")]
+            newest = max([t for t in (newest, *times) if t is not None], default=None)
+            if not resp.get("IsTruncated"):
+                return newest
+            kwargs["PartNumberMarker"] = resp.get("NextPartNumberMarker")
+
+    def server_time(self) -> float:
+        """The ``Date`` of the server's answer to a one-key listing of the root; this host's clock if it sends none.
+
+        ``Date`` has one-second resolution and is truncated, so it is at
+        most a second behind the server's clock: ages come out younger, never older.
+        """
+        bucket, path = self._split("")
+        resp = self._run(self._call("LIST", "", "list_objects_v2", Bucket=bucket, Prefix=f"{path}/" if path else "", MaxKeys=1))
+        date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+        try:
+            return email.utils.parsedate_to_datetime(date).timestamp()
+        except (TypeError, ValueError):
+            logger.warning("%s: the server's answer carries no Date; ages are measured on this host's clock", self.url)
+            return time.time()
 
     async def _abort(self, key: str, upload_id: str, *, in_save: bool = True) -> None:
         """Abort an upload; ``in_save=False``: after the save, not bounded by its spent throttle budget."""
