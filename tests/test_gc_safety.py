@@ -5,15 +5,21 @@ upload's ``Initiated`` and a multipart object's LastModified are when the
 upload began); moto alone reports neither that way.
 """
 
+import threading
 import time
 
 import boto3
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 
+import dcpstore
 from conftest import wait_until_older_than
 from dcpstore.cli import main
+from dcpstore.layout import TOMBSTONE_MIN_AGE, list_steps
 from dcpstore.steps import plan_gc
 from dcpstore.storage import open_store
+from helpers import sample_state_dict, zeros_like_state_dict
 
 GRACE = 2.0
 PART = 5 << 20
@@ -75,3 +81,83 @@ def test_a_grace_must_be_positive(root_on_memory="memory://gc-grace"):
             dcpstore.AsyncCheckpointer(root_on_memory, gc_grace=bad)
         with pytest.raises(ValueError, match="grace period must be positive"):
             plan_gc(open_store(root_on_memory), None, grace=bad)
+
+
+def _save_in_background(url: str, endpoint: str, state: dict) -> tuple[threading.Thread, dict]:
+    """``dcp.save`` of ``state`` to ``url`` on a thread (one process, no process group); its error, if any, lands in the dict."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            dcp.save(state, storage_writer=dcpstore.ObjectStoreWriter(url, storage_options={"endpoint_url": endpoint}))
+        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException; returned to the test
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def test_gc_and_a_held_commit_cannot_both_succeed(bucket, store, proxy):
+    """A save's shards look dead while its .metadata PUT is held; gc buries the step, and the commit is then refused.
+
+    Before: gc deleted the shards, the PUT landed, and the save reported
+    committed: only .metadata was left, and loading the step failed on a shard.
+    """
+    held = threading.Event()
+    metadata_put = proxy.add("PUT", r"/run/step_00000002/\.metadata", hold=held, times=1)
+    thread, outcome = _save_in_background(f"s3://{bucket}/run/step_00000002", proxy.endpoint, sample_state_dict())
+    try:
+        assert metadata_put.arrived.wait(60)
+        wait_until_older_than(store, GRACE)  # the shards now look like a failed save's
+        plan = plan_gc(store, None, grace=GRACE)
+        assert [s.step for s in plan.incomplete] == [2]
+        plan.run(store)
+    finally:
+        held.set()
+        thread.join(120)
+    assert "took this step for a failed save's debris" in str(outcome.get("error")), outcome
+    assert list_steps(store) == [] or not any(s.committed for s in list_steps(store))
+    with pytest.raises(BaseException, match="not a checkpoint: `dcpstore gc` deleted"):  # torch wraps our CorruptCheckpointError
+        dcp.load(zeros_like_state_dict(sample_state_dict()),
+                 storage_reader=dcpstore.ObjectStoreReader(f"s3://{bucket}/run/step_00000002", storage_options={"endpoint_url": proxy.endpoint}))
+
+    # The step's number is free again: a later save replaces the tombstone and commits.
+    state = sample_state_dict(seed=7)
+    thread, outcome = _save_in_background(f"s3://{bucket}/run/step_00000002", proxy.endpoint, state)
+    thread.join(120)
+    assert "error" not in outcome, outcome
+    loaded = zeros_like_state_dict(state)
+    dcp.load(loaded, storage_reader=dcpstore.ObjectStoreReader(f"s3://{bucket}/run/step_00000002", storage_options={"endpoint_url": proxy.endpoint}))
+    assert torch.equal(loaded["model"]["embed.weight"], state["model"]["embed.weight"])
+    assert [(s.step, s.committed) for s in list_steps(store)] == [(2, True)]
+
+
+def test_a_commit_whose_shards_are_gone_writes_no_metadata(bucket, store, proxy, client):
+    """The commit lists its step before the .metadata PUT: a shard deleted meanwhile (a lifecycle rule, a person) stops it."""
+    held = threading.Event()
+    listing = proxy.add("GET", r"list-type=2.*prefix=run%2Fstep_00000002%2F", hold=held, times=1)
+    thread, outcome = _save_in_background(f"s3://{bucket}/run/step_00000002", proxy.endpoint, sample_state_dict())
+    try:
+        assert listing.arrived.wait(60), "the commit did not list its step"
+        shard = next(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="run/step_00000002/")["Contents"])
+        client.delete_object(Bucket=bucket, Key=shard)
+    finally:
+        held.set()
+        thread.join(120)
+    error = str(outcome.get("error"))
+    assert shard in error and "gone from storage" in error and "no .metadata was written" in error, error
+    assert not any(method == "PUT" and path.split("?")[0].endswith("/.metadata") for method, path in proxy.requests)
+
+
+def test_a_tombstone_alone_goes_once_no_late_commit_can_land(bucket, store, client):
+    """A tombstone alone in its folder stays through the grace and TOMBSTONE_MIN_AGE, then a collection removes it."""
+    client.put_object(Bucket=bucket, Key="run/step_00000005/__0_0.distcp", Body=b"a failed save's shard")
+    now = time.time() + 60
+    plan_gc(store, None, grace=GRACE, now=now).run(store)
+    assert [(s.step, s.committed, s.keys) for s in list_steps(store)] == [(5, False, (".metadata",))]
+    assert plan_gc(store, None, grace=GRACE, now=now + GRACE * 2).incomplete == []  # too young to go
+    plan = plan_gc(store, None, grace=GRACE, now=now + TOMBSTONE_MIN_AGE + 60)
+    assert [s.step for s in plan.incomplete] == [5]
+    plan.run(store)
+    assert list_steps(store) == []

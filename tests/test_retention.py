@@ -202,7 +202,9 @@ def test_gc_grace_deletes_failed_saves_debris_after_a_commit_and_spares_young_de
     wait_until_older_than(store, 1)
     with dcpstore.AsyncCheckpointer(root, keep_last=5, gc_grace=1) as ckpt:
         _save(ckpt, 5, 5)
-    assert [(s.step, s.committed) for s in list_steps(store)] == [(2, False), (4, True), (5, True)]
+    steps = list_steps(store)
+    assert [(s.step, s.committed) for s in steps] == [(2, False), (3, False), (4, True), (5, True)]
+    assert steps[1].keys == (".metadata",)  # of step 3, only gc's tombstone is left (see steps)
 
 
 def test_steps_other_tools_committed_go_among_dcpstores_by_time():

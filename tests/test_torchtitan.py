@@ -107,8 +107,9 @@ def test_failed_saves_never_cost_a_committed_step_and_debris_goes(bucket, s3, pr
     assert len(errors) == 2 and all("was not committed" in e and "access denied" in e for e in errors)
     assert after_failures == [1, 2]
     assert after_commit == [2, 5]
-    keys = {o["Key"].split("/")[1] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]}
-    assert keys == {"step-2", "step-5"}
+    keys = {"/".join(o["Key"].split("/")[1:3]) for o in s3.list_objects_v2(Bucket=bucket)["Contents"]}
+    assert {k.split("/")[0] for k in keys} == {"step-0", "step-2", "step-5"}
+    assert [k for k in keys if k.startswith("step-0/")] == ["step-0/.metadata"]  # gc's tombstone: the shard went
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torchtitan's stager for async_with_pinned_mem refuses to run without an accelerator")

@@ -513,7 +513,7 @@ class AsyncCheckpointer:
                 writer.reset(job.url)
                 writer.set_up_storage_writer(self._coll.is_coordinator, rank=self.rank)
                 # An early, friendly refusal; the conditional commit is what guarantees it.
-                if self.store.exists(f"{self.step_prefix(job.step)}/{METADATA_KEY}"):
+                if writer.destination_committed():
                     raise CheckpointExistsError(
                         f"{job.url}: Checkpoint already exists: step {job.step} is already committed; steps are never overwritten"
                     )

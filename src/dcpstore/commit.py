@@ -56,7 +56,7 @@ import time
 
 from . import planner_data
 from .errors import ConditionalWriteError, DcpstoreError, ObjectNotFoundError
-from .layout import METADATA_KEY, NONCE_KEY
+from .layout import METADATA_KEY, NONCE_KEY, is_tombstone
 from .reader import parse_metadata
 from .storage import ObjectStore, Tries
 
@@ -135,7 +135,7 @@ def settle(store: ObjectStore, nonce: str, replaced_etag: str | None = None) -> 
     except Exception:  # noqa: BLE001 - storage could not be read: nobody can know yet
         return Outcome.UNKNOWN
     tags, etag = head.metadata, head.etag
-    if NONCE_KEY not in tags:  # a store without user metadata, or a .metadata another tool wrote
+    if NONCE_KEY not in tags and not is_tombstone(head.size):  # a store without user metadata, or another tool's .metadata
         try:
             tags, etag = tags_in_object(store)
         except ObjectNotFoundError:

@@ -5,7 +5,8 @@ keeps lexical and numeric order the same in any object-store listing.
 torchtitan names its steps ``{root}/step-{step}/``; a checkpointer can write
 that form (``StepNaming.TORCHTITAN``), so that stock torchtitan resumes from
 its steps and it from torchtitan's.  Listing recognizes both forms.  A step
-counts as committed exactly when its ``.metadata`` object exists.
+counts as committed exactly when its ``.metadata`` object exists and is not
+a collection's tombstone (``TOMBSTONE_SIZE``).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import dataclasses
 import enum
 import logging
 import re
+import uuid
 
-from .errors import UnsupportedByStoreError
+from .errors import ConditionalWriteError, ObjectNotFoundError, UnsupportedByStoreError
 from .storage import MultipartUploadInfo, ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -24,6 +26,17 @@ METADATA_KEY = ".metadata"  # a DCP checkpoint exists exactly when this object d
 # User metadata (x-amz-meta-*) of a committed .metadata: the nonce of the save
 # that wrote it (= StorageMeta.save_id inside it; see commit).
 NONCE_KEY = "dcpstore-save"
+# What a collection writes as a failed save's .metadata before it deletes the
+# shards, so that a commit still in flight cannot land (see steps).  Unique
+# per write (its ETag is), and of a fixed size far below any pickled Metadata
+# (156 bytes at the least), so a listing tells it from a checkpoint.
+TOMBSTONE_PREFIX = b"dcpstore gc: no checkpoint here "
+TOMBSTONE_SIZE = len(TOMBSTONE_PREFIX) + 32
+# A collection removes a tombstone alone in its folder only once it is older
+# than this (and the grace): far beyond the time a commit that listed its
+# shards before they were deleted may still send its .metadata (the commit
+# window, 60 s by default, plus the landing margin, about 2 min).
+TOMBSTONE_MIN_AGE = 3600.0
 
 
 
@@ -78,7 +91,7 @@ def list_steps(store: ObjectStore, naming: StepNaming | None = None) -> list[Ste
     steps = []
     for prefix, objects in grouped.items():
         times = [o.last_modified for _, o in objects if o.last_modified is not None]
-        metadata = next((o for name, o in objects if name == METADATA_KEY), None)
+        metadata = next((o for name, o in objects if name == METADATA_KEY and not is_tombstone(o.size)), None)
         steps.append(
             StepInfo(
                 step=parse_step(prefix),
@@ -92,6 +105,50 @@ def list_steps(store: ObjectStore, naming: StepNaming | None = None) -> list[Ste
             )
         )
     return sorted(steps, key=lambda s: (s.step, s.prefix))
+
+
+def is_tombstone(size: int | None) -> bool:
+    """Whether a ``.metadata`` of ``size`` bytes is a collection's tombstone, not a checkpoint."""
+    return size == TOMBSTONE_SIZE
+
+
+def destination(store: ObjectStore) -> tuple[bool, str | None]:
+    """Whether a checkpoint is committed at ``store``'s ``.metadata``, and the ETag of the tombstone there if it holds one.
+
+    What a save reads before it writes its shards: its commit replaces
+    exactly that tombstone (``put(..., if_match=)``), so a collection that
+    buries the step again meanwhile (a new tombstone) refuses it.
+    """
+    try:
+        head = store.head(METADATA_KEY)
+    except ObjectNotFoundError:
+        return False, None
+    if not is_tombstone(head.size):
+        return True, None
+    return False, head.etag or store.get_with_etag(METADATA_KEY)[1]
+
+
+def lay_tombstone(store: ObjectStore) -> bool:
+    """Write a tombstone as ``store``'s ``.metadata`` unless a checkpoint is there; whether one is there now.
+
+    Conditional both ways: created only where no ``.metadata`` exists, or
+    in place of an earlier tombstone, by its ETag.  Either way a commit
+    that has not landed yet is refused from now on: its PUT is conditional
+    on no ``.metadata`` (or on the tombstone it read before its shards).
+    """
+    try:
+        store.put(METADATA_KEY, TOMBSTONE_PREFIX + uuid.uuid4().hex.encode(), if_none_match=True)
+        return True
+    except ConditionalWriteError:
+        pass
+    etag = destination(store)[1]
+    if etag is None:
+        return False  # a checkpoint committed there (or the object went meanwhile: left to the next collection)
+    try:
+        store.put(METADATA_KEY, TOMBSTONE_PREFIX + uuid.uuid4().hex.encode(), if_match=etag)
+        return True
+    except ConditionalWriteError:
+        return False  # replaced meanwhile: by a commit, or by another collection that deletes the step itself
 
 
 def written_by_dcp(key: str) -> bool:
@@ -147,16 +204,23 @@ def open_uploads(store: ObjectStore) -> list[MultipartUploadInfo]:
 def delete_incomplete_step(store: ObjectStore, step: StepInfo) -> bool:
     """Delete the objects ``plan_gc`` listed for an incomplete step, unless it has committed since.
 
+    A tombstone goes in place of ``.metadata`` first (``lay_tombstone``), and
+    only then do the shards go: a commit that listed its shards before they
+    were deleted still cannot land, and one that lands first keeps the
+    collection from deleting anything.  The tombstone stays, so that a
+    late commit stays refused; a step that held nothing else (plan_gc lets
+    such a step go only past ``TOMBSTONE_MIN_AGE``) loses the new one too.
     Only the listed objects go: shards a new save wrote after the listing
-    are left alone, and a step whose ``.metadata`` appeared after the
-    listing is skipped (logged).
+    are left alone.
     """
     child = store.child(step.prefix)
     try:
-        if child.exists(METADATA_KEY):
+        if not lay_tombstone(child):
             logger.warning("%s: not deleted: it was committed after it was listed as incomplete", child.url)
             return False
         child.delete([k for k in step.keys if k != METADATA_KEY])
+        if set(step.keys) == {METADATA_KEY}:
+            child.delete([METADATA_KEY])
         return True
     finally:
         child.close()

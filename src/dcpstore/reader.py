@@ -57,7 +57,7 @@ from .errors import (
     StateDictMismatchError,
     UnsafeCheckpointError,
 )
-from .layout import METADATA_KEY
+from .layout import METADATA_KEY, TOMBSTONE_PREFIX, is_tombstone
 from .safe_pickle import check_bytes_item, loads_metadata
 from .load_buffers import LoadBuffers, aligned
 from .scatter import DestinationClaims, ItemLanding, RangeScatter, destination_bytes
@@ -471,6 +471,10 @@ def no_metadata_error(store: ObjectStore) -> CheckpointNotFoundError:
 
 def parse_metadata(raw: bytes, url: str, allow_globals: Iterable[Any] = ()) -> Metadata:
     """``Metadata`` from the bytes of the ``.metadata`` object at ``url``, unpickled safely."""
+    if is_tombstone(len(raw)) and bytes(raw[: len(TOMBSTONE_PREFIX)]) == TOMBSTONE_PREFIX:
+        raise CorruptCheckpointError(
+            f"{url}: not a checkpoint: `dcpstore gc` deleted a failed save's shards here and left this marker"
+        )
     try:
         metadata = loads_metadata(raw, url, allow_globals)
     except UnsafeCheckpointError:

@@ -36,6 +36,30 @@ open multipart uploads.  Debris is only deleted once nothing under its step,
 no object and no upload's newest part, changed within a grace period, on the
 server's clock (``plan_gc``): until then it may be a save still running
 (another job's, or a commit whose outcome is not known yet).
+
+A save can still look dead while it commits: its shards are done, and the
+gather, the resume index or a throttled ``.metadata`` PUT outlast the grace.
+**A collection and a commit cannot both succeed on one step**, because both
+are conditional writes of the same ``.metadata`` key, and storage lets only
+one of them create it:
+
+- the collection writes a tombstone there (``layout.lay_tombstone``: only
+  where no ``.metadata`` exists, or in place of an earlier tombstone by its
+  ETag) *before* it deletes a shard, and deletes nothing if that fails;
+- the commit's PUT is conditional on no ``.metadata`` existing (or on the
+  tombstone its save found as it began), so once the tombstone is there it
+  is refused, whenever it lands: a late attempt, a 504 that lands later;
+- and before the PUT the commit lists its step and sends nothing if a
+  shard it would name is gone (``ObjectStoreWriter._check_still_stored``),
+  whoever deleted it.
+
+So either the commit lands first, the tombstone is refused and nothing is
+deleted; or the tombstone lands first and the commit is refused (the save
+fails: "took this step for a failed save's debris").  Listings, ``latest``
+and resume read a tombstone as "not committed"; a later save of that step
+replaces it.  A tombstone alone in its folder stays for at least
+``TOMBSTONE_MIN_AGE`` (an hour), past the time any commit that listed its
+shards before they went may still send its PUT; then a collection removes it.
 """
 
 from __future__ import annotations
@@ -46,10 +70,12 @@ import logging
 from .commit import PARENT_KEY, SEQUENCE_KEY, tags_in_object
 from .layout import (
     METADATA_KEY,
+    TOMBSTONE_MIN_AGE,
     StepInfo,
     StepNaming,
     delete_committed_step,
     delete_incomplete_step,
+    is_tombstone,
     list_steps,
     open_uploads,
     parse_step,
@@ -132,7 +158,10 @@ class CommitOrder:
     def _read(self, prefix: str, step: int, committed_at: float | None) -> CommitRecord:
         child = self.store.child(prefix)
         try:
-            tags = child.head(METADATA_KEY).metadata
+            head = child.head(METADATA_KEY)
+            if is_tombstone(head.size):
+                raise ObjectNotFoundError(f"{child.url_for(METADATA_KEY)}: a collection's tombstone, not a checkpoint")
+            tags = head.metadata
             if SEQUENCE_KEY not in tags and not child.has_user_metadata:
                 tags = tags_in_object(child)[0]
         finally:
@@ -239,6 +268,8 @@ def plan_gc(
         for s in steps:
             if s.committed or s.step in keep or s.prefix in live:
                 continue
+            if set(s.keys) == {METADATA_KEY} and not _older(s.last_modified, now - max(grace, TOMBSTONE_MIN_AGE)):
+                continue  # a tombstone alone (see delete_incomplete_step): it still refuses a late commit
             foreign = not_written_by_dcp(s.keys)
             if foreign:
                 logger.warning("%s: not deleted as a failed save's debris: it holds %s, which no DCP writer wrote",
@@ -276,13 +307,16 @@ def live_steps(store: ObjectStore, steps: list[StepInfo], uploads: list[Multipar
     uploads that began before ``since`` in steps not already known live:
     one request per old upload, none in the steady state of a running save.
     """
-    recent = lambda t: t is None or t >= since  # noqa: E731
-    live = {s.prefix for s in steps if recent(s.last_modified)}
+    live = {s.prefix for s in steps if not _older(s.last_modified, since)}
     for upload in sorted(uploads, key=lambda u: u.initiated or 0.0, reverse=True):
         prefix = _step_of(upload)
-        if prefix not in live and (recent(upload.initiated) or recent(store.upload_last_active(upload))):
+        if prefix not in live and not (_older(upload.initiated, since) and _older(store.upload_last_active(upload), since)):
             live.add(prefix)
     return live
+
+
+def _older(t: float | None, than: float) -> bool:
+    return t is not None and t < than
 
 
 def _step_of(upload: MultipartUploadInfo) -> str:

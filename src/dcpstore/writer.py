@@ -78,7 +78,7 @@ from torch.futures import Future
 from . import planner_data, resume_index
 from .commit import Outcome, write_metadata
 from .errors import CheckpointExistsError, CommitOutcomeUnknownError, DcpstoreError, ObjectNotFoundError
-from .layout import METADATA_KEY
+from .layout import METADATA_KEY, destination, is_tombstone
 from .reader import parse_metadata
 from .staging import StagedItems, StagingPool, resolve_item
 from .tensor_archive import save_tensor
@@ -445,6 +445,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self._plans_missing: str | None = None  # why they are unknown
         self._plans_from_planner = False
         self._replaced: _Replaced | None = None
+        self._tombstone: str | None = None  # ETag of a collection's tombstone at .metadata as the save began (see commit)
         # What an AsyncCheckpointer's commit records (see steps.CommitRecord): user metadata and planner_data.
         self.commit_tags: dict[str, str] = {}
         self.commit_record: dict[str, Any] | None = None
@@ -474,9 +475,14 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
 
     def check_destination(self) -> bool:
         """Refuse to save over a committed checkpoint unless ``overwrite``; True if one is there."""
-        committed = self.store.exists(METADATA_KEY)
+        committed = self.destination_committed()
         if committed and not self.overwrite:
             raise self._exists_error()
+        return committed
+
+    def destination_committed(self) -> bool:
+        """Whether a checkpoint is committed where this save goes; notes a collection's tombstone there, which the commit replaces."""
+        committed, self._tombstone = destination(self.store)
         return committed
 
     def _exists_error(self) -> CheckpointExistsError:
@@ -499,6 +505,9 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         try:
             raw, etag = self.store.get_with_etag(METADATA_KEY)
         except ObjectNotFoundError:
+            return None
+        if is_tombstone(len(raw)):
+            self._tombstone = etag
             return None
         old = parse_metadata(raw, self.store.url_for(METADATA_KEY))
         paths = {info.relative_path for info in (old.storage_data or {}).values()}
@@ -684,6 +693,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         checkpoint's shards are deleted.
         """
         new_paths = {info.relative_path for info in storage_data.values()} | ({self._index_key} if self._index_key else set())
+        self._check_still_stored(new_paths)
         if self.overwrite and self._replaced is None:
             self._replaced = self._read_replaced()  # planning ran elsewhere (e.g. a cached plan)
         replaced = self._replaced
@@ -695,7 +705,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
             )
         outcome, error = write_metadata(
             self.store, raw_metadata, self.save_id,
-            replaced_etag=replaced.etag if replaced is not None else None, window=self.commit_window,
+            replaced_etag=replaced.etag if replaced is not None else self._tombstone, window=self.commit_window,
             tags={**self.commit_tags, **self._index_tags},
         )
         if outcome is Outcome.COMMITTED:
@@ -706,6 +716,11 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
             return
         if outcome is Outcome.REFUSED:
             self._delete_quietly(new_paths, "shards of the refused commit")
+            if destination(self.store)[1] is not None:
+                raise DcpstoreError(
+                    f"{self.store.url_for(METADATA_KEY)}: not committed: a collection (`dcpstore gc`, or gc_grace) "
+                    "took this step for a failed save's debris while it committed, and deleted its shards"
+                ) from error
             if replaced is None:
                 raise self._exists_error() from error
             raise CheckpointExistsError(
@@ -717,6 +732,22 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
                 self.url, {self.rank: f"writing .metadata failed ({error}) and storage could not be read back"}
             ) from error
         raise error  # FAILED: no .metadata of this save exists or can appear
+
+    def _check_still_stored(self, paths: set[str]) -> None:
+        """Refuse to commit unless every object ``.metadata`` would name is in storage: one listing of the step.
+
+        The shards were written minutes ago, perhaps: a collection that took
+        the step for debris (see ``layout.delete_incomplete_step``), a
+        lifecycle rule or a person may have deleted them since.  No
+        ``.metadata`` is sent then, so none can name what is gone.
+        """
+        gone = sorted(paths - {o.key for o in self.store.list()})
+        if gone:
+            raise DcpstoreError(
+                f"{self.store.url_for(gone[0])}: not committed: this save wrote it, and it is gone from storage "
+                f"({len(gone)} of the {len(paths)} objects .metadata would name; deleted while the save ran, by "
+                "`dcpstore gc`, a lifecycle rule or a person); no .metadata was written"
+            )
 
     def delete_shards(self, results: list[WriteResult]) -> None:
         """Delete the shard objects of a save that was not committed (best effort)."""
