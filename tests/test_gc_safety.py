@@ -37,6 +37,7 @@ def client(proxy):
     return boto3.client("s3", endpoint_url=proxy.endpoint)
 
 
+@pytest.mark.also_rgw
 def test_gc_leaves_every_upload_and_object_of_a_live_step_alone(bucket, store, client, proxy):
     """An upload that began long ago but sent a part just now is live; so is an old upload beside a shard that just landed."""
     slow = client.create_multipart_upload(Bucket=bucket, Key="run/step_00000002/__0_a_0.distcp")
@@ -98,6 +99,7 @@ def _save_in_background(url: str, endpoint: str, state: dict) -> tuple[threading
     return thread, outcome
 
 
+@pytest.mark.also_rgw
 def test_gc_and_a_held_commit_cannot_both_succeed(bucket, store, proxy):
     """A save's shards look dead while its .metadata PUT is held; gc buries the step, and the commit is then refused.
 
