@@ -119,11 +119,12 @@ resource "aws_iam_instance_profile" "training" {
 
 # Read-only access for evaluation jobs and operators (dcpstore ls / inspect /
 # verify): whoever holds it cannot plant objects in checkpoints others load.
-# ListBucketMultipartUploads is read-only too; `dcpstore ls` shows open uploads.
+# ListBucketMultipartUploads is read-only too; `dcpstore ls` shows open uploads,
+# and `dcpstore gc --dry-run` asks an old upload for its parts (ListParts).
 data "aws_iam_policy_document" "read_only" {
   statement {
     sid       = "ReadCheckpointObjects"
-    actions   = ["s3:GetObject"]
+    actions   = ["s3:GetObject", "s3:ListMultipartUploadParts"]
     resources = ["${local.prefix_arn}/*"]
   }
 

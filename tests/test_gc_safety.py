@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 import dcpstore
 from conftest import wait_until_older_than
 from dcpstore.cli import main
-from dcpstore.layout import TOMBSTONE_MIN_AGE, list_steps
+from dcpstore.layout import list_steps
 from dcpstore.steps import plan_gc
 from dcpstore.storage import open_store
 from helpers import sample_state_dict, zeros_like_state_dict
@@ -135,6 +135,47 @@ def test_gc_and_a_held_commit_cannot_both_succeed(bucket, store, proxy):
     assert [(s.step, s.committed) for s in list_steps(store)] == [(2, True)]
 
 
+def test_an_overwrite_does_not_take_over_a_tombstone_laid_while_it_saved(bucket, store, proxy):
+    """``overwrite=True`` reads ``.metadata`` again at commit: a tombstone gc laid meanwhile is not the save's to replace.
+
+    The save lists its shards while gc, having laid its tombstone, has not
+    deleted them yet; the commit must still be refused, or it would name
+    the shards gc then deletes.
+    """
+    url = f"s3://{bucket}/run/step_00000002"
+    listed, deleting = threading.Event(), threading.Event()
+    listing = proxy.add("GET", r"list-type=2.*prefix=run%2Fstep_00000002%2F", hold=listed, times=1)
+    gc_delete = proxy.add("POST", r"\?delete", hold=deleting, times=1)
+    outcome: dict = {}
+
+    def save():
+        try:
+            dcp.save(sample_state_dict(), storage_writer=dcpstore.ObjectStoreWriter(
+                url, overwrite=True, storage_options={"endpoint_url": proxy.endpoint}))
+        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+            outcome["error"] = e
+
+    saving = threading.Thread(target=save)
+    saving.start()
+    collecting = None
+    try:
+        assert listing.arrived.wait(60)
+        wait_until_older_than(store, GRACE)
+        plan = plan_gc(store, None, grace=GRACE)
+        assert [s.step for s in plan.incomplete] == [2]
+        collecting = threading.Thread(target=plan.run, args=(store,))
+        collecting.start()
+        assert gc_delete.arrived.wait(60)  # the tombstone is in place; the shards are not deleted yet
+    finally:
+        listed.set()
+        saving.join(120)
+        deleting.set()
+        if collecting is not None:
+            collecting.join(120)
+    assert "took this step for a failed save's debris" in str(outcome.get("error")), outcome
+    assert not any(s.committed for s in list_steps(store))
+
+
 def test_a_commit_whose_shards_are_gone_writes_no_metadata(bucket, store, proxy, client):
     """The commit lists its step before the .metadata PUT: a shard deleted meanwhile (a lifecycle rule, a person) stops it."""
     held = threading.Event()
@@ -152,14 +193,12 @@ def test_a_commit_whose_shards_are_gone_writes_no_metadata(bucket, store, proxy,
     assert not any(method == "PUT" and path.split("?")[0].endswith("/.metadata") for method, path in proxy.requests)
 
 
-def test_a_tombstone_alone_goes_once_no_late_commit_can_land(bucket, store, client):
-    """A tombstone alone in its folder stays through the grace and TOMBSTONE_MIN_AGE, then a collection removes it."""
+def test_a_collected_step_keeps_its_tombstone_and_ls_says_so(bucket, store, client, capsys):
+    """gc never deletes a tombstone: a DELETE is not conditional, and could remove the .metadata of a save that replaced it."""
     client.put_object(Bucket=bucket, Key="run/step_00000005/__0_0.distcp", Body=b"a failed save's shard")
     now = time.time() + 60
     plan_gc(store, None, grace=GRACE, now=now).run(store)
     assert [(s.step, s.committed, s.keys) for s in list_steps(store)] == [(5, False, (".metadata",))]
-    assert plan_gc(store, None, grace=GRACE, now=now + GRACE * 2).incomplete == []  # too young to go
-    plan = plan_gc(store, None, grace=GRACE, now=now + TOMBSTONE_MIN_AGE + 60)
-    assert [s.step for s in plan.incomplete] == [5]
-    plan.run(store)
-    assert list_steps(store) == []
+    assert plan_gc(store, None, grace=GRACE, now=now + 30 * 86400).incomplete == []  # a month later, still there
+    assert main(["ls", f"s3://{bucket}/run"]) == 0
+    assert "collected" in capsys.readouterr().out.splitlines()[1].split()

@@ -23,7 +23,16 @@ import zlib
 from tqdm import tqdm
 
 from .errors import DcpstoreError, UnsafeCheckpointError
-from .layout import METADATA_KEY, StepInfo, StepNaming, list_steps, open_uploads, not_written_by_dcp, parse_step
+from .layout import (
+    METADATA_KEY,
+    StepInfo,
+    StepNaming,
+    holds_only_a_tombstone,
+    list_steps,
+    not_written_by_dcp,
+    open_uploads,
+    parse_step,
+)
 from .storage import ObjectStore, open_store
 
 # torch (and the modules that need it) are imported by the commands that read
@@ -77,6 +86,8 @@ def cmd_ls(args) -> int:
     print(f"{'STEP':>10}  {'STATUS':<11} {'SIZE':>10} {'OBJECTS':>7}  {'WRITTEN (UTC)':<19}  OPEN UPLOADS")
     for s in steps:
         status = "committed" if s.committed and s.prefix not in open_by_step else "incomplete"
+        if holds_only_a_tombstone(s) and s.prefix not in open_by_step:
+            status = "collected"  # a failed save gc cleaned: only its tombstone is left
         print(
             f"{s.step:>10}  {status:<11} {_size(s.size):>10} {s.objects:>7}  "
             f"{_when(s.last_modified):<19}  {open_by_step.get(s.prefix, 0)}"

@@ -29,14 +29,11 @@ NONCE_KEY = "dcpstore-save"
 # What a collection writes as a failed save's .metadata before it deletes the
 # shards, so that a commit still in flight cannot land (see steps).  Unique
 # per write (its ETag is), and of a fixed size far below any pickled Metadata
-# (156 bytes at the least), so a listing tells it from a checkpoint.
+# (156 bytes at the least), so a listing tells it from a checkpoint.  It is
+# never deleted by dcpstore: only a conditional write can replace a
+# .metadata without racing a commit (a later save of the step replaces it).
 TOMBSTONE_PREFIX = b"dcpstore gc: no checkpoint here "
 TOMBSTONE_SIZE = len(TOMBSTONE_PREFIX) + 32
-# A collection removes a tombstone alone in its folder only once it is older
-# than this (and the grace): far beyond the time a commit that listed its
-# shards before they were deleted may still send its .metadata (the commit
-# window, 60 s by default, plus the landing margin, about 2 min).
-TOMBSTONE_MIN_AGE = 3600.0
 
 
 
@@ -117,15 +114,22 @@ def destination(store: ObjectStore) -> tuple[bool, str | None]:
 
     What a save reads before it writes its shards: its commit replaces
     exactly that tombstone (``put(..., if_match=)``), so a collection that
-    buries the step again meanwhile (a new tombstone) refuses it.
+    buries the step again meanwhile (a new tombstone) refuses it.  Where a
+    HEAD shows no ETag (``memory://``, ``file://``), size and tag come from
+    one read of the object, so they describe the same object.
     """
     try:
         head = store.head(METADATA_KEY)
+        if head.etag is not None:
+            return (False, head.etag) if is_tombstone(head.size) else (True, None)
+        if not is_tombstone(head.size):
+            return True, None
+        raw, etag = store.get_with_etag(METADATA_KEY)
     except ObjectNotFoundError:
         return False, None
-    if not is_tombstone(head.size):
-        return True, None
-    return False, head.etag or store.get_with_etag(METADATA_KEY)[1]
+    if is_tombstone(len(raw)) and bytes(raw[: len(TOMBSTONE_PREFIX)]) == TOMBSTONE_PREFIX:
+        return False, etag
+    return True, None
 
 
 def lay_tombstone(store: ObjectStore) -> bool:
@@ -207,11 +211,9 @@ def delete_incomplete_step(store: ObjectStore, step: StepInfo) -> bool:
     A tombstone goes in place of ``.metadata`` first (``lay_tombstone``), and
     only then do the shards go: a commit that listed its shards before they
     were deleted still cannot land, and one that lands first keeps the
-    collection from deleting anything.  The tombstone stays, so that a
-    late commit stays refused; a step that held nothing else (plan_gc lets
-    such a step go only past ``TOMBSTONE_MIN_AGE``) loses the new one too.
-    Only the listed objects go: shards a new save wrote after the listing
-    are left alone.
+    collection from deleting anything.  The tombstone stays (see
+    ``TOMBSTONE_PREFIX``).  Only the listed objects go: shards a new save
+    wrote after the listing are left alone.
     """
     child = store.child(step.prefix)
     try:
@@ -219,11 +221,14 @@ def delete_incomplete_step(store: ObjectStore, step: StepInfo) -> bool:
             logger.warning("%s: not deleted: it was committed after it was listed as incomplete", child.url)
             return False
         child.delete([k for k in step.keys if k != METADATA_KEY])
-        if set(step.keys) == {METADATA_KEY}:
-            child.delete([METADATA_KEY])
         return True
     finally:
         child.close()
+
+
+def holds_only_a_tombstone(step: StepInfo) -> bool:
+    """Whether ``step`` is a failed save a collection cleaned: nothing left but its tombstone."""
+    return not step.committed and step.keys == (METADATA_KEY,)
 
 
 def committed_steps(store: ObjectStore, naming: StepNaming | None = None) -> list[StepInfo]:

@@ -472,7 +472,7 @@ def no_metadata_error(store: ObjectStore) -> CheckpointNotFoundError:
 def parse_metadata(raw: bytes, url: str, allow_globals: Iterable[Any] = ()) -> Metadata:
     """``Metadata`` from the bytes of the ``.metadata`` object at ``url``, unpickled safely."""
     if is_tombstone(len(raw)) and bytes(raw[: len(TOMBSTONE_PREFIX)]) == TOMBSTONE_PREFIX:
-        raise CorruptCheckpointError(
+        raise CheckpointNotFoundError(
             f"{url}: not a checkpoint: `dcpstore gc` deleted a failed save's shards here and left this marker"
         )
     try:

@@ -48,7 +48,8 @@ one of them create it:
   ETag) *before* it deletes a shard, and deletes nothing if that fails;
 - the commit's PUT is conditional on no ``.metadata`` existing (or on the
   tombstone its save found as it began), so once the tombstone is there it
-  is refused, whenever it lands: a late attempt, a 504 that lands later;
+  is refused, whenever it lands: a late attempt, a 504 that lands later
+  (the tombstone is never deleted);
 - and before the PUT the commit lists its step and sends nothing if a
   shard it would name is gone (``ObjectStoreWriter._check_still_stored``),
   whoever deleted it.
@@ -56,10 +57,14 @@ one of them create it:
 So either the commit lands first, the tombstone is refused and nothing is
 deleted; or the tombstone lands first and the commit is refused (the save
 fails: "took this step for a failed save's debris").  Listings, ``latest``
-and resume read a tombstone as "not committed"; a later save of that step
-replaces it.  A tombstone alone in its folder stays for at least
-``TOMBSTONE_MIN_AGE`` (an hour), past the time any commit that listed its
-shards before they went may still send its PUT; then a collection removes it.
+and resume read a tombstone as "not committed", and a later save of that
+step replaces the one it found as it began.  Nothing of dcpstore deletes a
+tombstone: a DELETE is not conditional, so it could remove the ``.metadata``
+of a save that replaced the tombstone meanwhile.  The argument needs the
+store to enforce both conditions: S3 does; ``file://`` creates atomically
+(``os.link``) but replaces by check-then-rename, exact within one process;
+Ceph RGW ignores conditions on a multipart completion, so a ``.metadata``
+above ``multipart_threshold`` is checked by a HEAD just before (README).
 """
 
 from __future__ import annotations
@@ -70,11 +75,11 @@ import logging
 from .commit import PARENT_KEY, SEQUENCE_KEY, tags_in_object
 from .layout import (
     METADATA_KEY,
-    TOMBSTONE_MIN_AGE,
     StepInfo,
     StepNaming,
     delete_committed_step,
     delete_incomplete_step,
+    holds_only_a_tombstone,
     is_tombstone,
     list_steps,
     open_uploads,
@@ -257,19 +262,22 @@ def plan_gc(
     (``delete_committed_step``).  ``grace=None`` plans no debris at all.
     ``order`` (records already read) saves requests.
     """
-    steps = list_steps(store, naming)
-    committed = [s for s in steps if s.committed]
     incomplete, uploads, pruned = [], [], []
     if grace is not None:
         check_grace(grace)
+        # The clock first, then uploads, then objects: a shard that completes
+        # between the listings shows as an upload gone (live), not in neither.
         now = store.server_time() if now is None else now
         step_uploads = [u for u in open_uploads(store) if parse_step(_step_of(u), naming) is not None]
+    steps = list_steps(store, naming)
+    committed = [s for s in steps if s.committed]
+    if grace is not None:
         live = live_steps(store, steps, step_uploads, now - grace)
         for s in steps:
             if s.committed or s.step in keep or s.prefix in live:
                 continue
-            if set(s.keys) == {METADATA_KEY} and not _older(s.last_modified, now - max(grace, TOMBSTONE_MIN_AGE)):
-                continue  # a tombstone alone (see delete_incomplete_step): it still refuses a late commit
+            if holds_only_a_tombstone(s):
+                continue  # cleaned already; its tombstone stays, refusing a late commit
             foreign = not_written_by_dcp(s.keys)
             if foreign:
                 logger.warning("%s: not deleted as a failed save's debris: it holds %s, which no DCP writer wrote",

@@ -507,8 +507,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         except ObjectNotFoundError:
             return None
         if is_tombstone(len(raw)):
-            self._tombstone = etag
-            return None
+            return None  # not a checkpoint; the commit replaces only the tombstone noted as the save began
         old = parse_metadata(raw, self.store.url_for(METADATA_KEY))
         paths = {info.relative_path for info in (old.storage_data or {}).values()}
         index = resume_index.key_of(old)

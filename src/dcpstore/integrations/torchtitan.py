@@ -30,8 +30,8 @@ What changes against torchtitan's manager:
   and a job that never saves delete nothing.
 - **Retention.**  ``keep_latest_k`` keeps that many committed steps (the
   newest commit and its lineage first, then the newest), and deletes the
-  debris of failed saves once nothing under it is younger than
-  ``gc_grace``.  It runs on the coordinator's save thread after each
+  debris of failed saves once nothing under its step changed for
+  ``gc_grace`` seconds.  It runs on the coordinator's save thread after each
   commit, with batched deletes.  torchtitan's own purge keeps the k highest
   folders, committed or not, so a run of failed saves deleted every
   committed one; here a failed save never costs a committed step.
@@ -101,7 +101,7 @@ class CheckpointManager(TorchtitanCheckpointManager):
         """Shard objects each rank writes per step: the uploads it runs in parallel."""
 
         gc_grace: float = 3600.0
-        """Seconds a failed save's debris must lie untouched before retention deletes it (a save may still be running).
+        """Seconds (positive) nothing under a failed save's step may change before retention deletes its debris (a save may still be running).
 
         With ``keep_latest_k=0`` nothing is deleted, debris included."""
 

@@ -293,8 +293,10 @@ class ObjectStore:
         """The storage server's clock now (seconds since the epoch), which stamps its objects' times.
 
         Ages of objects are measured on it, never on this host's clock: a
-        host whose clock runs ahead would see live saves as old.  A local
-        filesystem is stamped by this host's clock.
+        host whose clock runs ahead would see live saves as old.  Here, for
+        fsspec's filesystems, this host's clock: right for a local disk and
+        ``memory://``; a shared filesystem (NFS, Lustre) stamps files with
+        its server's clock, which must then be kept in sync.
         """
         return time.time()
 
