@@ -76,3 +76,18 @@ def test_load_profile_measures_threads_and_splits_samples_by_stage(tmp_path):
     assert "1.00  crc32 of each item" in printed
     assert "1.00  copy into the destination (scatter)" in printed
     assert "1.00  asyncio event loop" in printed
+
+
+def test_peak_rss_counts_memory_held_only_inside_the_block_without_a_thread():
+    """The harness's memory meter sees a transient 64 MiB, and starts no thread that would contend for the GIL."""
+    import threading
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.run import PeakRSS
+
+    threads = threading.active_count()
+    with PeakRSS() as rss:
+        assert threading.active_count() == threads
+        transient = b"\x01" * (64 << 20)  # every page touched
+        del transient
+    assert rss.peak_extra >= 60 << 20
