@@ -245,10 +245,11 @@ def _positive_seconds(text: str) -> float:
     from .steps import check_grace
 
     try:
-        check_grace(float(text))
+        seconds = float(text)
+        check_grace(seconds)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
-    return float(text)
+    return seconds
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -109,6 +109,16 @@ def is_tombstone(size: int | None) -> bool:
     return size == TOMBSTONE_SIZE
 
 
+def holds_tombstone(raw) -> bool:
+    """Whether the bytes of a ``.metadata`` are a collection's tombstone: its size and its prefix, where the bytes are at hand."""
+    return is_tombstone(len(raw)) and bytes(raw[: len(TOMBSTONE_PREFIX)]) == TOMBSTONE_PREFIX
+
+
+def _new_tombstone() -> bytes:
+    """A tombstone's bytes: unique, so its ETag is (a collection replaces one by it)."""
+    return TOMBSTONE_PREFIX + uuid.uuid4().hex.encode()
+
+
 def destination(store: ObjectStore) -> tuple[bool, str | None]:
     """Whether a checkpoint is committed at ``store``'s ``.metadata``, and the ETag of the tombstone there if it holds one.
 
@@ -127,7 +137,7 @@ def destination(store: ObjectStore) -> tuple[bool, str | None]:
         raw, etag = store.get_with_etag(METADATA_KEY)
     except ObjectNotFoundError:
         return False, None
-    if is_tombstone(len(raw)) and bytes(raw[: len(TOMBSTONE_PREFIX)]) == TOMBSTONE_PREFIX:
+    if holds_tombstone(raw):
         return False, etag
     return True, None
 
@@ -141,7 +151,7 @@ def lay_tombstone(store: ObjectStore) -> bool:
     on no ``.metadata`` (or on the tombstone it read before its shards).
     """
     try:
-        store.put(METADATA_KEY, TOMBSTONE_PREFIX + uuid.uuid4().hex.encode(), if_none_match=True)
+        store.put(METADATA_KEY, _new_tombstone(), if_none_match=True)
         return True
     except ConditionalWriteError:
         pass
@@ -149,7 +159,7 @@ def lay_tombstone(store: ObjectStore) -> bool:
     if etag is None:
         return False  # a checkpoint committed there (or the object went meanwhile: left to the next collection)
     try:
-        store.put(METADATA_KEY, TOMBSTONE_PREFIX + uuid.uuid4().hex.encode(), if_match=etag)
+        store.put(METADATA_KEY, _new_tombstone(), if_match=etag)
         return True
     except ConditionalWriteError:
         return False  # replaced meanwhile: by a commit, or by another collection that deletes the step itself

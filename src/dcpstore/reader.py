@@ -57,7 +57,7 @@ from .errors import (
     StateDictMismatchError,
     UnsafeCheckpointError,
 )
-from .layout import METADATA_KEY, TOMBSTONE_PREFIX, is_tombstone
+from .layout import METADATA_KEY, holds_tombstone
 from .safe_pickle import check_bytes_item, loads_metadata
 from .load_buffers import LoadBuffers, aligned
 from .scatter import DestinationClaims, ItemLanding, RangeScatter, destination_bytes
@@ -471,7 +471,7 @@ def no_metadata_error(store: ObjectStore) -> CheckpointNotFoundError:
 
 def parse_metadata(raw: bytes, url: str, allow_globals: Iterable[Any] = ()) -> Metadata:
     """``Metadata`` from the bytes of the ``.metadata`` object at ``url``, unpickled safely."""
-    if is_tombstone(len(raw)) and bytes(raw[: len(TOMBSTONE_PREFIX)]) == TOMBSTONE_PREFIX:
+    if holds_tombstone(raw):
         raise CheckpointNotFoundError(
             f"{url}: not a checkpoint: `dcpstore gc` deleted a failed save's shards here and left this marker"
         )
