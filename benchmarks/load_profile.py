@@ -63,9 +63,9 @@ def measured_loads(sd, url, loads: int) -> float:
 
     import dcpstore
 
-    from benchmarks.run import blank_like
+    from benchmarks.run import load_destination
 
-    dest = blank_like(sd)
+    dest = load_destination(sd)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     before = usage.ru_utime + usage.ru_stime
     for _ in range(loads):

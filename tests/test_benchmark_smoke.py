@@ -91,3 +91,27 @@ def test_peak_rss_counts_memory_held_only_inside_the_block_without_a_thread():
         transient = b"\x01" * (64 << 20)  # every page touched
         del transient
     assert rss.peak_extra >= 60 << 20
+
+
+def test_a_loads_destination_is_made_once_resident_and_apart_from_the_state_dict():
+    """Loads land in memory made before the meter and already resident, as a resumed model's is: no page faults metered."""
+    import psutil
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.run import KEPT, load_destination, make_state_dict, nbytes
+
+    sd = make_state_dict(32 << 20, n_tensors=8)
+    before = psutil.Process().memory_info().rss
+    try:
+        destination = load_destination(sd)
+        grew = psutil.Process().memory_info().rss - before
+        assert load_destination(sd) is destination  # kept: every contender and round lands in the same pages
+        assert grew >= 0.9 * nbytes(sd)  # resident now, not at the first load's touch
+        for key, value in sd.items():
+            if isinstance(value, torch.Tensor):
+                kept = destination[key]
+                assert kept.shape == value.shape and kept.dtype == value.dtype
+                assert kept.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()
+    finally:
+        KEPT.close()
