@@ -1,8 +1,11 @@
 """AsyncCheckpointer on real gloo groups against the moto server."""
 
+import re
+
 import pytest
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 import dcpstore
 from conftest import object_exists, read_metadata_raw
@@ -57,8 +60,23 @@ def test_plans_are_exchanged_once_then_reused(world_size, planning, plan_collect
         assert [c.get("all_reduce", 0) for c, _ in saves] == [1, 1, 1]
         if planning == "central":  # the other gather is the write results'
             assert [c.get("gather_object", 0) for c, _ in saves] == [2, 1, 1]
+    names, tensors = {}, {}
     for step in (10, 20, 30):
         assert object_exists(s3, bucket, f"run/step_{step:08d}/.metadata")
+        metadata = read_metadata_raw(s3, bucket, f"run/step_{step:08d}")
+        # Every rank's shards are named after the save's nonce: the coordinator knows each name, at a fixed length.
+        nonce = metadata.storage_meta.save_id
+        paths = {info.relative_path for info in metadata.storage_data.values()}
+        assert len(nonce) == 16 and all(re.fullmatch(rf"__\d+_{nonce}_\d+\.distcp", p) for p in paths), paths
+        names[step] = sorted(p.replace(nonce, "") for p in paths)
+        # Bytes items go last in their shard: the step's size changing moves no tensor.
+        tensors[step] = {
+            index: (info.relative_path.replace(nonce, ""), info.offset, info.length)
+            for index, info in metadata.storage_data.items()
+            if not isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata)
+        }
+    assert names[10] == names[20] == names[30]
+    assert tensors[10] == tensors[20] == tensors[30]
     staged = [items for _, _, items in results.values()]
     # Planned saves stage every rank's items, replicated ones on every rank;
     # cached ones only what each rank writes: each stored item once in all.

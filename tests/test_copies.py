@@ -140,7 +140,7 @@ def test_a_save_copies_each_byte_once_and_passes_over_it_once(bucket, s3, proxy,
     assert {h["x-amz-content-sha256"] for h in bodies} == {"UNSIGNED-PAYLOAD"}
     # One crc pass: dcpstore's, checked against the stored bytes; torch's zip crc was not computed.
     metadata = read_metadata_raw(s3, bucket, "ckpt2")
-    crcs = planner_data.split(metadata.planner_data)[1][planner_data.CHECKSUMS_KEY]
+    crcs = planner_data.read_checksums(metadata)
     for index, info in metadata.storage_data.items():
         obj = s3.get_object(Bucket=bucket, Key=f"ckpt2/{info.relative_path}")["Body"].read()
         item = obj[info.offset : info.offset + info.length]

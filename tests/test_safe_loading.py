@@ -244,7 +244,9 @@ def _plant_item(root: Root, fqn: str, payload: bytes) -> None:
     def edit(metadata):
         (index,) = [i for i in metadata.storage_data if i.fqn == fqn]
         metadata.storage_data[index] = _StorageInfo("planted.distcp", 0, len(payload))
-        metadata.planner_data[planner_data.CHECKSUMS_KEY][index] = zlib.crc32(payload)
+        crcs = planner_data.read_checksums(metadata)
+        crcs[index] = zlib.crc32(payload)
+        metadata.planner_data.update(planner_data.checksum_extras(metadata.storage_data, crcs))
 
     _rewrite_metadata(root, edit)
 
@@ -352,6 +354,21 @@ def test_an_item_whose_storage_info_lacks_its_fields_is_refused_by_name(root):
     _rewrite_metadata(root, edit)
     with pytest.raises(dcpstore.CorruptCheckpointError, match=r"\.metadata: item .* has offset None"):
         dcpstore.ObjectStoreReader(root.step_url()).read_metadata()
+
+
+@pytest.mark.parametrize("packed", [b"\0" * 4, b"\0" * 12, "not bytes"], ids=["short", "long", "str"])
+def test_a_crc32_array_that_does_not_fit_the_items_is_refused_by_name(packed, root):
+    """One crc32 per stored item, or the checkpoint is corrupt: never a check skipped, never an item paired with another's crc."""
+    _save_step(root, {"w": torch.arange(4.0), "b": torch.ones(3)})
+
+    def edit(metadata):
+        assert len(metadata.planner_data[planner_data.CRC32_ARRAY_KEY]) == 8
+        metadata.planner_data[planner_data.CRC32_ARRAY_KEY] = packed
+
+    _rewrite_metadata(root, edit)
+    reader = dcpstore.ObjectStoreReader(root.step_url())
+    with pytest.raises(dcpstore.CorruptCheckpointError, match=r"\.metadata: its crc32 array .* each of its 2 stored items"):
+        reader.set_up_storage_reader(reader.read_metadata(), True)
 
 
 @pytest.mark.parametrize(

@@ -186,6 +186,16 @@ def test_key_spread_places_shards_under_hashed_sub_prefixes_that_stock_readers_l
     folders = {k.split("/")[1] for k in keys if k.endswith(".distcp")}
     assert len(folders) > 1 and folders <= {"00", "40", "80", "c0"}, folders
     assert all(k.count("/") == 2 for k in keys if k.endswith(".distcp"))
+    # The next save puts each shard under the same sub-prefix: its name changes by the generation alone.
+    writer = dcpstore.ObjectStoreWriter(f"s3://{bucket}/spread2", objects_per_rank=8, key_spread=4)
+    dcp.save(sd, storage_writer=writer, no_dist=True)
+    writer.close()
+    again = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="spread2/")["Contents"]]
+
+    def sub_prefix_of_shard(keys):
+        return {k.rsplit("_", 1)[1]: k.split("/")[1] for k in keys if k.endswith(".distcp")}
+
+    assert sub_prefix_of_shard(again) == sub_prefix_of_shard(keys) and len(sub_prefix_of_shard(keys)) == 8
     for reader in (dcpstore.ObjectStoreReader(url), FsspecReader(url)):
         out = {k: torch.zeros_like(v) for k, v in sd.items()}
         dcp.load(out, storage_reader=reader, no_dist=True)

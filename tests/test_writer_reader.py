@@ -102,7 +102,10 @@ def test_plans_and_flatten_mappings_live_side_by_side(bucket, s3):
     plans = dcpstore.read_plans(md)
     assert len(plans) == 1
     assert plans[0].items == expected.items and plans[0].planner_data == expected.planner_data
-    assert set(md.planner_data[planner_data.CHECKSUMS_KEY]) == set(md.storage_data)
+    # One crc32 an item, as one fixed-width array in storage_data's order.
+    assert planner_data.CHECKSUMS_KEY not in md.planner_data
+    assert len(md.planner_data[planner_data.CRC32_ARRAY_KEY]) == 4 * len(md.storage_data)
+    assert set(planner_data.read_checksums(md)) == set(md.storage_data)
 
 
 class OpaquePlanner(DefaultSavePlanner):

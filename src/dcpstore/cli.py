@@ -22,7 +22,7 @@ import zlib
 
 from tqdm import tqdm
 
-from .errors import DcpstoreError, UnsafeCheckpointError
+from .errors import CorruptCheckpointError, DcpstoreError, UnsafeCheckpointError
 from .layout import (
     METADATA_KEY,
     StepInfo,
@@ -119,7 +119,7 @@ def summarize(store: ObjectStore) -> dict:
         "objects": len({info.relative_path for info in storage.values()}),
         "plans_persisted": plan_ranks is not None,
         "plan_ranks": plan_ranks or 0,
-        "checksums": bool(planner_data.read_checksums(metadata)),
+        "checksums": bool(planner_data.read_checksums(metadata, store.url_for(METADATA_KEY))),
     }
 
 
@@ -155,9 +155,13 @@ def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
     metadata = read_metadata(store)
     storage = metadata.storage_data or {}
     sizes = {o.key: o.size for o in store.list()}
-    checksums = planner_data.read_checksums(metadata)
     transforms = _StorageReaderTransforms()  # torch's default registry: ZStandard
     problems = []
+    try:
+        checksums = planner_data.read_checksums(metadata, store.url_for(METADATA_KEY))
+    except CorruptCheckpointError as e:
+        problems.append(str(e))
+        checksums = {}
     for index, info in storage.items():
         if info.relative_path not in sizes:
             problems.append(f"{store.url_for(info.relative_path)}: missing (needed by {index.fqn!r})")

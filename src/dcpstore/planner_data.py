@@ -11,8 +11,13 @@ loaders read them back.  dcpstore adds its own entries beside them:
 * ``ALL_LOCAL_PLANS_KEY``: the older form, the full list of local
   ``SavePlan``\\ s; still read, and written only when the compact form cannot
   describe the plans exactly.
-* ``CHECKSUMS_KEY``: ``MetadataIndex -> crc32`` of every item's stored bytes,
-  so readers detect corrupted shards instead of loading garbage.
+* ``CRC32_ARRAY_KEY``: the crc32 of every item's stored bytes, so readers
+  detect corrupted shards instead of loading garbage: one little-endian
+  uint32 per item, in ``storage_data``'s order (``checksum_extras``).  Fixed
+  width, and one object in the pickle, where a dict costs a key reference
+  and an int per item, and a Python object each when it is read back.
+* ``CHECKSUMS_KEY``: the older form, ``MetadataIndex -> crc32``; still read,
+  and written only when some item has no crc32.
 
 Only builtins and torch types are stored, so a checkpoint unpickles without
 dcpstore.  A ``dict`` from the user's planner is kept and extended.  Anything
@@ -67,13 +72,18 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from .errors import CorruptCheckpointError
+
 PLANS_KEY = "dcpstore/plans_v2"
 ALL_LOCAL_PLANS_KEY = "dcpstore/all_local_plans"  # version 1: full SavePlans; still read
-CHECKSUMS_KEY = "dcpstore/checksums"
+CRC32_ARRAY_KEY = "dcpstore/crc32_array"
+CHECKSUMS_KEY = "dcpstore/checksums"  # the older form, a dict; still read
 USER_PLANNER_DATA_KEY = "dcpstore/user_planner_data"
 COMMIT_KEY = "dcpstore/commit"  # a checkpointer's commit sequence and parent step (see steps)
 INDEX_KEY = "dcpstore/index"  # the resume index's directory (see resume_index)
-RESERVED_KEYS = (PLANS_KEY, ALL_LOCAL_PLANS_KEY, CHECKSUMS_KEY, USER_PLANNER_DATA_KEY, COMMIT_KEY, INDEX_KEY)
+RESERVED_KEYS = (
+    PLANS_KEY, ALL_LOCAL_PLANS_KEY, CRC32_ARRAY_KEY, CHECKSUMS_KEY, USER_PLANNER_DATA_KEY, COMMIT_KEY, INDEX_KEY
+)
 PLANS_VERSION = 2
 
 # Attribute set on Metadata objects returned by ObjectStoreReader when the
@@ -393,10 +403,35 @@ def read_compact(metadata: Metadata) -> dict[str, Any] | None:
     return compact if compact is not None and compact_matches(compact, metadata) else None
 
 
-def read_checksums(metadata: Metadata) -> dict[MetadataIndex, int]:
-    """``MetadataIndex -> crc32`` of each stored item; empty for other tools' checkpoints."""
-    checksums = _extras(metadata).get(CHECKSUMS_KEY)
-    return checksums if isinstance(checksums, dict) else {}
+def checksum_extras(storage_data: dict, checksums: dict[MetadataIndex, int]) -> dict[str, Any]:
+    """What ``planner_data`` stores of ``checksums``: the crc32 array when every stored item has one, else the dict."""
+    if not checksums:
+        return {}
+    ordered = [checksums.get(index) for index in storage_data]
+    if None in ordered:
+        return {CHECKSUMS_KEY: checksums}
+    return {CRC32_ARRAY_KEY: _pack(array("I", ordered))}
+
+
+def read_checksums(metadata: Metadata, where: str = ".metadata") -> dict[MetadataIndex, int]:
+    """``MetadataIndex -> crc32`` of each stored item; empty for other tools' checkpoints.
+
+    Raises ``CorruptCheckpointError`` (naming ``where``) when the crc32 array
+    does not hold exactly one crc32 per item of ``storage_data``.
+    """
+    extras = _extras(metadata)
+    packed = extras.get(CRC32_ARRAY_KEY)
+    if packed is None:
+        checksums = extras.get(CHECKSUMS_KEY)
+        return checksums if isinstance(checksums, dict) else {}
+    storage_data = metadata.storage_data
+    if not isinstance(packed, bytes) or not isinstance(storage_data, dict) or len(packed) != 4 * len(storage_data):
+        items = len(storage_data) if isinstance(storage_data, dict) else "no"
+        size = f"{len(packed)} bytes" if isinstance(packed, bytes) else f"a {type(packed).__name__}"
+        raise CorruptCheckpointError(
+            f"{where}: its crc32 array ({size}) does not hold one crc32 for each of its {items} stored items"
+        )
+    return dict(zip(storage_data, _unpack("I", packed)))
 
 
 def read_index_directory(metadata: Metadata) -> Any:

@@ -220,11 +220,12 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        where = self.store.url_for(METADATA_KEY)
         if metadata.storage_data is None:
-            raise CorruptCheckpointError(f"{self.store.url_for(METADATA_KEY)}: metadata has no storage_data")
-        check_storage_data(metadata.storage_data, self.store.url_for(METADATA_KEY))
+            raise CorruptCheckpointError(f"{where}: metadata has no storage_data")
+        check_storage_data(metadata.storage_data, where)
         self.storage_data = metadata.storage_data
-        self._checksums = planner_data.read_checksums(metadata) if self.verify_checksums else {}
+        self._checksums = planner_data.read_checksums(metadata, where) if self.verify_checksums else {}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

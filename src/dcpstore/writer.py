@@ -7,10 +7,14 @@ writes shard objects holding its items back to back (tensors as
 the coordinator writes the pickled ``Metadata`` as ``.metadata``.
 
 Shard names are new on every save: ``__{rank}_{generation}_{n}.distcp``,
-with a generation each rank draws for itself in ``write_data``.  No save ever
-writes over bytes that a committed ``.metadata`` references, whether the
-writer is reused, the prefix is overwritten, or another job (a zombie, a
-mistyped run name) saves to the same prefix at the same time.
+where the generation is the first 16 hex digits of the save's random
+``save_id`` (drawn by each rank's writer for ``dcp.save``; for an
+``AsyncCheckpointer``, the save's nonce, the same on every rank, so the
+coordinator knows every shard's name without being told, and every name has
+the same length on every save).  No save ever writes over bytes that a
+committed ``.metadata`` references, whether the writer is reused, the prefix
+is overwritten, or another job (a zombie, a mistyped run name) saves to the
+same prefix at the same time.
 
 Commit protocol: ``.metadata`` is written by ``finish()`` only, as one
 conditional PUT, and DCP calls ``finish()`` only after every rank's
@@ -545,9 +549,13 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         # A cached final plan (torch's plan caching) may carry any earlier
         # prefix; only the rank part of it is used.
         prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{self.rank}_"
-        generation = uuid.uuid4().hex[:16]
-        buckets = [b for b in _split_by_size_and_type(self.objects_per_rank, list(plan.items)) if b]
-        names = [self._spread(f"{prefix}{generation}_{n}{DEFAULT_SUFFIX}") for n in range(len(buckets))]
+        generation = self.save_id[:16]
+        # Bytes items last in each shard: one whose pickled size changes moves no tensor's offset.
+        buckets = [
+            sorted(b, key=lambda item: item.type == WriteItemType.BYTE_IO)
+            for b in _split_by_size_and_type(self.objects_per_rank, list(plan.items)) if b
+        ]
+        names = [self._shard_name(prefix, n, generation) for n in range(len(buckets))]
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world_size > 1:  # alone, a writer cannot know who else writes the range: it slow-starts (see storage.throttle)
             self.store.share_write_rate(world_size * len({name.rpartition("/")[0] for name in names}))
@@ -582,11 +590,17 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         out.set_result(results)
         return out
 
-    def _spread(self, name: str) -> str:
-        """``name`` under its hashed sub-prefix: ``key_spread`` two-hex-digit names spread evenly over 00-ff."""
+    def _shard_name(self, prefix: str, n: int, generation: str) -> str:
+        """Shard ``n`` of the rank whose names start with ``prefix``, under its hashed sub-prefix when ``key_spread`` > 1.
+
+        The ``key_spread`` two-hex-digit sub-prefixes spread evenly over
+        00-ff; the hash leaves out the generation, so from one save to the
+        next a shard's name differs by the generation alone.
+        """
+        name = f"{prefix}{generation}_{n}{DEFAULT_SUFFIX}"
         if self.key_spread == 1:
             return name
-        slot = zlib.crc32(name.encode()) % self.key_spread
+        slot = zlib.crc32(f"{prefix}{n}".encode()) % self.key_spread
         return f"{slot * 256 // self.key_spread:02x}/{name}"
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -597,9 +611,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
                 storage_data[wr.index] = wr.storage_data
                 if self.checksums and isinstance(wr, ChecksummedWriteResult):
                     checksums[wr.index] = wr.crc32
-        extras: dict[str, Any] = {}
-        if checksums:
-            extras[planner_data.CHECKSUMS_KEY] = checksums
+        extras: dict[str, Any] = planner_data.checksum_extras(storage_data, checksums)
         if self.commit_record is not None:
             extras[planner_data.COMMIT_KEY] = self.commit_record
         extras.update(self._plans_extras(metadata, results))
