@@ -18,6 +18,11 @@ final plans, and ``ObjectStoreWriter.finish`` runs with ``commit`` captured
 * ``.metadata`` bytes, torch's own for the same state beside dcpstore's, and
   the resume index: the whole object, and what rank W-1 reads of it (its
   block; the coordinator also reads the directory);
+* the ``.metadata`` template (``metadata_template``): ``template_build_s``
+  (finding its slots, once per structure: the walk, a second pickle, the
+  diff and the proof), ``slots`` and ``patch_s`` (writing the next save's
+  values over them in place, beside ``finish_s`` building and pickling
+  the same ``.metadata`` from objects);
 * reading ``.metadata`` whole, as a fallback or ``dcp.load`` without
   ``state_dict=`` does: ``unpickle_s`` (C ``pickle.loads``, unsafe) and
   ``safe_read_s`` (``safe_pickle.loads_metadata``, bounded; timed up to
@@ -49,10 +54,12 @@ import tempfile
 import time
 import zlib
 
+import numpy
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -61,10 +68,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from dcpstore import resume_index, safe_pickle
+from dcpstore import metadata_template, resume_index, safe_pickle
 from dcpstore.writer import ChecksummedWriteResult, ObjectStoreWriter
 
 REPLICATED = 4  # plain tensors every rank holds (norms, scalars)
+SIMULATED_NONCE = "0123456789abcdef"  # the save's nonce in the simulated shard names
 BYTES_ITEMS = 2  # bytes items every rank holds (step, rng state)
 
 
@@ -119,9 +127,10 @@ def write_results(central: list[SavePlan]) -> list[list[ChecksummedWriteResult]]
     results = []
     for rank, plan in enumerate(central):
         out, offset = [], 0
+        paths = [f"__{rank}_{SIMULATED_NONCE}_{n}.distcp" for n in range(4)]  # one str a shard, as write_items shares it
         for n, item in enumerate(plan.items):
             length = (item.tensor_storage_size() or 8) + 1100  # torch.save framing
-            path = f"__{rank}_0123456789abcdef_{n % 4}.distcp"
+            path = paths[n % 4]
             out.append(ChecksummedWriteResult(item.index, length, _StorageInfo(path, offset, length), crc32=zlib.crc32(path.encode())))
             offset += length
         results.append(out)
@@ -152,12 +161,29 @@ def finish(writer_plans, metadata: Metadata, results, *, checksums: bool = True)
     """The coordinator's ``finish()``, timed; the writer holds the ``.metadata`` bytes and its store the index."""
     writer = _Captured("memory://dcpstore-scale-bench", checksums=checksums)
     writer.remember_local_plans(writer_plans)
+    writer.commit_record = {"sequence": 5, "parent": 4}  # what an AsyncCheckpointer's commit records
     if writer_plans is None:
         writer._plans_missing = "cached"  # quiet: measuring "no plans"
     md = dataclasses.replace(metadata)
     t0 = time.perf_counter()
     writer.finish(md, results)
+    writer.metadata = md  # what .metadata pickles: the template is built from it
     return writer, time.perf_counter() - t0
+
+
+def next_values(template: metadata_template.Template) -> list:
+    """What the next save of the structure writes in each slot: another nonce, other crc32s, the next commit."""
+    out = []
+    for slot, value in zip(template.slots, template.values):
+        if slot.kind == "str":
+            out.append(value.replace(SIMULATED_NONCE, SIMULATED_NONCE[::-1]))
+        elif slot.role == "crc32":
+            out.append(numpy.random.default_rng(0).integers(0, 256, len(value), numpy.uint8).tobytes())
+        elif slot.role.startswith("commit."):
+            out.append(value + 1)
+        else:
+            out.append(value)
+    return out
 
 
 def finish_bytes(writer_plans, metadata: Metadata, results, *, checksums: bool = True) -> tuple[bytes, float]:
@@ -225,6 +251,17 @@ def measure(world_size: int, items_per_rank: int, *, repeat: int, safe_read_max:
     torch_bytes = torch_metadata_bytes(metadata, results)
     captured, finish_s = finish(writer.all_local_plans, metadata, results)
     raw = captured.raw
+    t0 = time.perf_counter()
+    md = captured.metadata
+    template = metadata_template.build(
+        md, metadata_template.dcpstore_slots(md, lambda index: isinstance(md.state_dict_metadata[index.fqn], BytesStorageMetadata))
+    )
+    template_build_s = time.perf_counter() - t0
+    assert template is not None and template.raw == raw
+    values = next_values(template)
+    patch_s = best_of(lambda: template.patch(values), repeat)
+    slots = len(template.slots)
+    del template, md, captured.metadata
     del plans, central, results
     loaded = pickle.loads(raw)
     unpickle_s = best_of(lambda: pickle.loads(raw), repeat if len(raw) <= safe_read_max else 1)
@@ -238,6 +275,9 @@ def measure(world_size: int, items_per_rank: int, *, repeat: int, safe_read_max:
         "torch_bytes": torch_bytes,
         "metadata_bytes": len(raw),
         "unpickle_s": unpickle_s,
+        "template_build_s": template_build_s,
+        "slots": slots,
+        "patch_s": patch_s,
     }
     if world_size >= 2:
         store = captured.store
@@ -270,6 +310,9 @@ COLUMNS = [
     ("finish s", "finish_s", "{:.2f}"),
     ("torch .metadata", "torch_bytes", "{:,}"),
     ("dcpstore .metadata", "metadata_bytes", "{:,}"),
+    ("template s", "template_build_s", "{:.2f}"),
+    ("slots", "slots", "{:,}"),
+    ("patch s", "patch_s", "{:.3f}"),
     ("C unpickle s", "unpickle_s", "{:.2f}"),
     ("safe read s", "safe_read_s", "{:.2f}"),
     ("safe / C", "safe_vs_c", "{:.1f}x"),
@@ -295,7 +338,7 @@ def extrapolate(rows: list[dict], world_size: int = 4096, items_per_rank: int = 
     base = max((r for r in rows if r["items_per_rank"] == items_per_rank), key=lambda r: r["world_size"])
     scale = world_size / base["world_size"]
     out = {"from_world_size": base["world_size"], "world_size": world_size, "items_per_rank": items_per_rank}
-    for key in ("metadata_bytes", "torch_bytes", "unpickle_s", "global_step_s", "finish_s"):
+    for key in ("metadata_bytes", "torch_bytes", "unpickle_s", "global_step_s", "finish_s", "template_build_s", "patch_s"):
         out[key] = base[key] * scale
     safe = [r for r in rows if r["items_per_rank"] == items_per_rank and "safe_vs_c" in r]
     if safe:  # the ratio of the largest .metadata timed both ways

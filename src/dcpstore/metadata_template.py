@@ -1,0 +1,315 @@
+"""A committed ``.metadata``'s bytes as the template of the next commit of the same structure.
+
+torch's ``.metadata`` is one pickled ``Metadata`` that lists every item of
+every rank: W x N entries (about 1.4 GB at 4,096 ranks x 2,000 items, see
+docs/scale.md).  Building those objects and pickling them costs the
+coordinator minutes of Python per save at that scale.  Yet between two saves
+of one structure (the plans reused) only a few values change, and dcpstore
+lays each of them out so that its pickled width does not change:
+
+* the save's nonce: in every shard name (``__{rank}_{nonce}_{n}.distcp``,
+  see ``writer``), in ``storage_meta.save_id`` and in the resume index's
+  pointer;
+* the step's URL (``storage_meta.checkpoint_id``, while the step keeps its
+  number of digits) and the commit record's ints (``steps.CommitRecord``);
+* the crc32s: one fixed-width array in ``storage_data``'s order
+  (``planner_data.CRC32_ARRAY_KEY``);
+* a bytes item's offset and length (bytes items go last in their shard, so
+  a step counter whose pickled size changes moves nothing else).
+
+A ``Template`` is the pickled bytes of one save and where each of those
+values lies in them (its ``Slot``\\ s).  ``patch`` writes new values over
+the old ones in place: O(bytes + slots), no Python object per item, and the
+result is byte for byte what ``pickle.dumps`` gives for the same content,
+because every slot keeps its width.  A value of another width (an int that
+needs another opcode, a step with one more digit) cannot be patched:
+``patch`` raises ``Unpatchable`` and that save takes the full path, which
+builds a new template.
+
+Finding the slots takes no pickler of our own: ``build`` pickles the
+``Metadata`` twice, as it is and with every slot's value changed at the
+same width (a str's characters flipped in their low bit, an int's low byte
+XORed with a constant of its own, a bytes' bits inverted).  The bytes that
+differ are exactly the slots.  They are met in the order the pickler walks
+the object (dicts, lists and dataclass states in iteration order), which is
+the order ``dcpstore_slots`` lists them in; a str or bytes object reached
+from several places is pickled once (memoized) and is one slot.  A template
+is kept only if patching it with the changed values reproduces the second
+pickle exactly, so a wrong order or a width we did not foresee costs the
+template, never a wrong ``.metadata``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from typing import Any, Callable
+
+import numpy
+
+from . import planner_data
+
+PROTOCOL = pickle.HIGHEST_PROTOCOL  # what writer.finish pickles .metadata with
+_DIFF_CHUNK = 16 << 20  # bytes compared at a time: the build's memory beyond its two pickles
+
+
+class Unpatchable(ValueError):
+    """A new value does not fit its slot (another width or type): this save takes the full path."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """A value in the template's bytes: ``kind`` is ``"str"`` (its UTF-8), ``"int"`` (pickle's payload) or ``"bytes"``."""
+
+    role: str  # what the value is, for whoever computes the next one (see dcpstore_slots)
+    kind: str
+    position: int
+    width: int
+
+
+@dataclasses.dataclass
+class _Value:
+    """One slot's value as the walk finds it, and how to put another in every place that holds it."""
+
+    role: str
+    value: Any
+    places: list[tuple[Any, Any]]  # (container, key): a dict or list and its key, or an object and its attribute name
+
+    def set(self, value: Any) -> None:
+        for container, key in self.places:
+            if isinstance(container, (dict, list)):
+                container[key] = value
+            else:
+                setattr(container, key, value)
+
+
+class Template:
+    """The bytes of one ``.metadata`` and its slots; ``patch`` turns them into the next save's."""
+
+    def __init__(self, raw: bytearray, slots: list[Slot], values: list[Any]):
+        self.raw = raw
+        self.slots = slots
+        self.values = values  # what each slot holds now
+
+    def patch(self, values: list[Any]) -> bytearray:
+        """Write ``values`` (one per slot, in order) over the slots, in place; the bytes, now the new ``.metadata``.
+
+        Raises ``Unpatchable`` before writing anything when a value does not
+        fit its slot.
+        """
+        if len(values) != len(self.slots):
+            raise Unpatchable(f"{len(values)} values for {len(self.slots)} slots")
+        encoded = [_encode(slot, value) for slot, value in zip(self.slots, values)]
+        for slot, payload in zip(self.slots, encoded):
+            self.raw[slot.position : slot.position + slot.width] = payload
+        self.values = list(values)
+        return self.raw
+
+    def roles(self, prefix: str) -> list[int]:
+        """The indices of the slots whose role starts with ``prefix``, in order."""
+        return [i for i, slot in enumerate(self.slots) if slot.role.startswith(prefix)]
+
+
+def build(metadata: Any, found: list[_Value]) -> Template | None:
+    """The template of ``metadata`` with the slots ``found`` (in pickling order); ``None`` if they cannot be located exactly.
+
+    Pickles ``metadata`` twice (see the module docstring); ``metadata`` is
+    left as it was.
+    """
+    if not found or any(_kind(v.value) is None for v in found):
+        return None
+    first = pickle.dumps(metadata, protocol=PROTOCOL)
+    changed = [_changed(v.value, i) for i, v in enumerate(found)]
+    try:
+        for v, new in zip(found, changed):
+            v.set(new)
+        second = pickle.dumps(metadata, protocol=PROTOCOL)
+    finally:
+        for v in found:
+            v.set(v.value)
+    if len(second) != len(first):
+        return None
+    runs = _differing_runs(first, second)
+    if len(runs) != len(found):
+        return None
+    slots = []
+    for (start, end), v in zip(runs, found):
+        slot = _slot(v.role, v.value, first, start, end)
+        if slot is None:
+            return None
+        slots.append(slot)
+    template = Template(bytearray(first), slots, [v.value for v in found])
+    del first  # at 1.4 GB, the build holds two pickles and the template at most
+    try:
+        proof = template.patch(changed)
+        exact = proof == second
+        template.patch([v.value for v in found])
+    except Unpatchable:
+        return None
+    return template if exact else None
+
+
+def _kind(value: Any) -> str | None:
+    if type(value) is int:
+        return "int"
+    if type(value) is str and value and value.isascii():
+        return "str"
+    if type(value) is bytes and value:
+        return "bytes"
+    return None  # None, an empty or non-ASCII str, another type: no fixed width to patch
+
+
+def _changed(value: Any, i: int) -> Any:
+    """``value`` changed in every byte of its pickled payload (an int: in its first), at the same width."""
+    if type(value) is int:
+        return value ^ (i % 255 + 1)  # a low byte of its own; the opcode and width stay (see _int_payload)
+    if type(value) is str:
+        return "".join(chr(ord(c) ^ 1) for c in value)
+    return (numpy.frombuffer(value, numpy.uint8) ^ 0xFF).tobytes()
+
+
+def _int_payload(value: int) -> tuple[bytes, bytes]:
+    """How pickle (protocol >= 2) writes ``value``: its opcode (with LONG1's length byte) and its little-endian payload."""
+    if 0 <= value <= 0xFF:
+        return pickle.BININT1, value.to_bytes(1, "little")
+    if 0 <= value <= 0xFFFF:
+        return pickle.BININT2, value.to_bytes(2, "little")
+    if -0x80000000 <= value <= 0x7FFFFFFF:
+        return pickle.BININT, value.to_bytes(4, "little", signed=True)
+    payload = pickle.encode_long(value)
+    if len(payload) > 255:
+        return b"", b""  # LONG4: never a slot
+    return pickle.LONG1 + bytes([len(payload)]), payload
+
+
+def _encode(slot: Slot, value: Any) -> bytes:
+    if slot.kind == "int":
+        if type(value) is not int:
+            raise Unpatchable(f"{slot.role}: {type(value).__name__} where an int was")
+        _, payload = _int_payload(value)  # a payload's width decides its opcode: 1 K, 2 M, 4 J, n >= 5 LONG1 n
+        width_ok = bool(payload) and len(payload) == slot.width
+    elif slot.kind == "str":
+        if type(value) is not str:
+            raise Unpatchable(f"{slot.role}: {type(value).__name__} where a str was")
+        payload = value.encode("utf-8", "surrogatepass")
+        width_ok = len(payload) == slot.width
+    else:
+        payload = value if isinstance(value, (bytes, bytearray)) else bytes(value)
+        width_ok = len(payload) == slot.width
+    if not width_ok:
+        raise Unpatchable(f"{slot.role}: {len(payload)} bytes where {slot.width} were")
+    return payload
+
+
+def _slot(role: str, value: Any, raw: bytes, start: int, end: int) -> Slot | None:
+    """The slot of ``value`` whose differing bytes are ``raw[start:end]``, checked against how pickle writes it."""
+    kind = _kind(value)
+    if kind == "int":
+        opcode, payload = _int_payload(value)
+        if end - start != 1 or not opcode or raw[start - len(opcode) : start] != opcode:
+            return None
+        if raw[start : start + len(payload)] != payload:
+            return None
+        return Slot(role, kind, start, len(payload))
+    payload = value.encode("utf-8") if kind == "str" else value
+    if end - start != len(payload) or raw[start:end] != payload:
+        return None
+    return Slot(role, kind, start, len(payload))
+
+
+def _differing_runs(a: bytes, b: bytes) -> list[tuple[int, int]]:
+    """The ``[start, end)`` ranges where ``a`` and ``b`` (of one length) differ, compared a chunk at a time."""
+    x, y = numpy.frombuffer(a, numpy.uint8), numpy.frombuffer(b, numpy.uint8)
+    starts: list[int] = []
+    ends: list[int] = []
+    previous = numpy.zeros(1, numpy.int8)
+    for lo in range(0, len(x), _DIFF_CHUNK):
+        differs = (x[lo : lo + _DIFF_CHUNK] != y[lo : lo + _DIFF_CHUNK]).view(numpy.int8)
+        edges = numpy.diff(differs, prepend=previous)
+        starts.extend((numpy.flatnonzero(edges == 1) + lo).tolist())
+        ends.extend((numpy.flatnonzero(edges == -1) + lo).tolist())
+        previous = differs[-1:]
+    if previous[0]:
+        ends.append(len(x))
+    return list(zip(starts, ends))
+
+
+# -- dcpstore's slots -----------------------------------------------------------------
+
+
+class _Walk:
+    """Collects slots in pickling order; a str or bytes object met again is the same slot (pickle memoizes it)."""
+
+    def __init__(self):
+        self.found: list[_Value] = []
+        self._by_id: dict[int, _Value] = {}
+
+    def add(self, role: str, container: Any, key: Any) -> None:
+        value = container[key] if isinstance(container, (dict, list)) else getattr(container, key)
+        if type(value) in (str, bytes):
+            seen = self._by_id.get(id(value))
+            if seen is not None:
+                seen.places.append((container, key))
+                return
+        entry = _Value(role, value, [(container, key)])
+        if type(value) in (str, bytes):
+            self._by_id[id(value)] = entry
+        self.found.append(entry)
+
+
+def dcpstore_slots(metadata: Any, bytes_items: Callable[[Any], bool]) -> list[_Value]:
+    """The values of a dcpstore ``.metadata`` that change from save to save of one structure, in pickling order.
+
+    ``bytes_items(index)``: whether the item is a bytes item (its offset and
+    length may change).  ``metadata``'s fields are pickled in the order of
+    its ``__dict__``: ``planner_data`` (dcpstore's entries: the commit
+    record, the crc32 array, the resume index's pointer) before
+    ``storage_data`` (each shard name where first met, then a bytes item's
+    offset and length) before ``storage_meta``.
+    """
+    walk = _Walk()
+    fields = {
+        "planner_data": lambda: _planner_data_slots(walk, metadata.planner_data),
+        "storage_data": lambda: _storage_data_slots(walk, metadata.storage_data, bytes_items),
+        "storage_meta": lambda: _storage_meta_slots(walk, metadata.storage_meta),
+    }
+    for name in vars(metadata):
+        if name in fields:
+            fields[name]()
+    return walk.found
+
+
+def _planner_data_slots(walk: _Walk, pd: Any) -> None:
+    if not isinstance(pd, dict):
+        return
+    for key, value in pd.items():
+        if key == planner_data.COMMIT_KEY and isinstance(value, dict):
+            for field in value:
+                walk.add(f"commit.{field}", value, field)
+        elif key == planner_data.CRC32_ARRAY_KEY:
+            walk.add("crc32", pd, key)
+        elif key == planner_data.INDEX_KEY and isinstance(value, dict):
+            _nested(walk, "index", value)
+
+
+def _nested(walk: _Walk, role: str, value: dict | list) -> None:
+    for key in value if isinstance(value, dict) else range(len(value)):
+        item = value[key]
+        if isinstance(item, (dict, list)):
+            _nested(walk, f"{role}.{key}", item)
+        else:
+            walk.add(f"{role}.{key}", value, key)
+
+
+def _storage_data_slots(walk: _Walk, storage_data: dict, bytes_items: Callable[[Any], bool]) -> None:
+    for index, info in storage_data.items():
+        walk.add("name", info, "relative_path")
+        if bytes_items(index):
+            walk.add("bytes.offset", info, "offset")
+            walk.add("bytes.length", info, "length")
+
+
+def _storage_meta_slots(walk: _Walk, meta: Any) -> None:
+    if meta is not None:
+        walk.add("checkpoint_id", meta, "checkpoint_id")
+        walk.add("save_id", meta, "save_id")
