@@ -59,7 +59,6 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -253,9 +252,7 @@ def measure(world_size: int, items_per_rank: int, *, repeat: int, safe_read_max:
     raw = captured.raw
     t0 = time.perf_counter()
     md = captured.metadata
-    template = metadata_template.build(
-        md, metadata_template.dcpstore_slots(md, lambda index: isinstance(md.state_dict_metadata[index.fqn], BytesStorageMetadata))
-    )
+    template = metadata_template.build(md, metadata_template.dcpstore_slots(md))
     template_build_s = time.perf_counter() - t0
     assert template is not None and template.raw == raw
     values = next_values(template)

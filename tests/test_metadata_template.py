@@ -1,19 +1,16 @@
 """The .metadata template: patched bytes are exactly the pickle of the same content, or the patch is refused."""
 
 import pickle
+import re
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+import torch.distributed.checkpoint as dcp
 
 import dcpstore
 from benchmarks.scale import finish, global_step, simulate_plans, write_results
 from dcpstore import metadata_template
 from dcpstore.metadata_template import Unpatchable, build, dcpstore_slots
-
-
-def _slots(md):
-    return dcpstore_slots(md, lambda index: isinstance(md.state_dict_metadata[index.fqn], BytesStorageMetadata))
 
 
 def _simulated(world_size=4, items_per_rank=12):
@@ -51,7 +48,7 @@ def _next_values(template, md):
 def test_a_patched_template_is_byte_for_byte_the_pickle_of_the_same_content():
     raw = _simulated()
     md = pickle.loads(raw)
-    found = _slots(md)
+    found = dcpstore_slots(md)
     template = build(md, found)
     # (A loaded Metadata pickles a little differently from the writer's: unpickling interns attribute names.)
     assert template is not None and template.raw == pickle.dumps(md, protocol=metadata_template.PROTOCOL)
@@ -79,7 +76,7 @@ def test_a_patched_template_is_byte_for_byte_the_pickle_of_the_same_content():
 def test_a_value_of_another_width_is_refused_and_nothing_is_written(role, value):
     raw = _simulated()
     md = pickle.loads(raw)
-    template = build(md, _slots(md))
+    template = build(md, dcpstore_slots(md))
     before = bytes(template.raw)
     values = list(template.values)
     values[template.roles(role)[0]] = value
@@ -93,7 +90,7 @@ def test_no_template_where_a_slot_has_no_fixed_width():
     raw = _simulated()
     md = pickle.loads(raw)
     md.planner_data[dcpstore.planner_data.COMMIT_KEY]["parent"] = None
-    assert build(md, _slots(md)) is None
+    assert build(md, dcpstore_slots(md)) is None
 
 
 def test_the_next_real_save_of_a_structure_is_the_last_one_patched(tmp_path):
@@ -107,9 +104,85 @@ def test_the_next_real_save_of_a_structure_is_the_last_one_patched(tmp_path):
             ckpt.save(sd, step=step)
             ckpt.wait()
     md2, md3 = (pickle.loads((root / f"step_{step:08d}" / ".metadata").read_bytes()) for step in (2, 3))
-    template = build(md2, _slots(md2))
+    template = build(md2, dcpstore_slots(md2))
     assert template is not None
-    values = [v.value for v in _slots(md3)]
-    assert [slot.role for slot in template.slots] == [v.role for v in _slots(md3)]
+    values = [v.value for v in dcpstore_slots(md3)]
+    assert [slot.role for slot in template.slots] == [v.role for v in dcpstore_slots(md3)]
     assert template.values != values  # the nonce, the crc32s, the step, the counter's length all moved
     assert template.patch(values) == pickle.dumps(md3, protocol=metadata_template.PROTOCOL)
+
+
+def test_an_async_checkpointer_patches_each_save_of_an_unchanged_structure_and_stock_torch_loads_it(bucket, s3):
+    """From the save after a full commit on, .metadata is the last one patched (a job's first save, with no parent, is not a template).
+
+    A step counter whose pickled size changes every save still patches; a
+    new shape takes the full path, and the save after it patches again.
+    Every step loads bit-exact with stock ``FsspecReader`` and with dcpstore
+    (which checks each crc32), and ``dcpstore verify --deep`` finds nothing.
+    """
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    from conftest import read_metadata_raw
+    from dcpstore.cli import verify
+    from dcpstore.storage import open_store
+
+    root = f"s3://{bucket}/run"
+    sd = {"w": torch.arange(64.0), "b": torch.ones(3, 5), "optim": {"step": 0}, "note": b"x" * 300}
+    patched, saved = [], {}
+    with dcpstore.AsyncCheckpointer(root) as ckpt:
+        for step in range(1, 7):
+            sd["optim"]["step"] = 10 ** step  # a pickled size of its own every save
+            sd["w"].add_(1)
+            if step == 4:
+                sd["b"] = torch.ones(4, 5)  # a new structure: planned and committed in full
+            patched.append(ckpt.save(sd, step=step).result().metadata_patched)
+            saved[step] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in sd.items()}
+            saved[step]["optim"] = dict(sd["optim"])
+    assert patched == [False, False, True, False, True, True]
+    for step, want in saved.items():
+        url = f"{root}/step_{step:08d}"
+        metadata = read_metadata_raw(s3, bucket, f"run/step_{step:08d}")
+        nonce = metadata.storage_meta.save_id
+        assert metadata.storage_meta.checkpoint_id == url
+        assert all(re.fullmatch(rf"__0_{nonce}_\d\.distcp", info.relative_path) for info in metadata.storage_data.values())
+        for reader in (FsspecReader(url), dcpstore.ObjectStoreReader(url)):
+            out = {"w": torch.zeros(64), "b": torch.zeros_like(want["b"]), "optim": {"step": -1}, "note": b""}
+            dcp.load(out, storage_reader=reader, no_dist=True)
+            assert torch.equal(out["w"], want["w"]) and torch.equal(out["b"], want["b"]), step
+            assert out["optim"] == want["optim"] and out["note"] == want["note"], step
+        store = open_store(url)
+        try:
+            assert verify(store, deep=True, progress=False) == [], step
+        finally:
+            store.close()
+
+
+def test_a_patched_commit_that_loses_the_race_for_its_step_is_refused_and_deletes_only_its_shards(bucket, s3, proxy):
+    """Another job commits the step while the patched .metadata PUT is held: refused, its own shards deleted, the winner intact."""
+    import threading
+
+    from conftest import read_metadata_raw
+
+    root = f"s3://{bucket}/run"
+    options = {"endpoint_url": proxy.endpoint}
+    sd = {"w": torch.arange(64.0), "optim": {"step": 0}}
+    held = threading.Event()
+    put = proxy.add("PUT", r"/run/step_00000003/\.metadata", hold=held, times=1)
+    with dcpstore.AsyncCheckpointer(root, storage_options=options) as loser:
+        for step in (1, 2):
+            loser.save(sd, step=step).result()
+        handle = loser.save(sd, step=3)
+        assert put.arrived.wait(60)
+        with dcpstore.AsyncCheckpointer(root) as winner:
+            assert winner.save({"w": torch.ones(64), "optim": {"step": 9}}, step=3).result().metadata_patched is False
+        held.set()
+        with pytest.raises(dcpstore.CheckpointSaveError, match="refused"):
+            handle.result()
+        assert loser._writer.patched_commit  # the refused .metadata was the patched one
+    metadata = read_metadata_raw(s3, bucket, "run/step_00000003")
+    names = {info.relative_path for info in metadata.storage_data.values()}
+    keys = {o["Key"].rsplit("/", 1)[1] for o in s3.list_objects_v2(Bucket=bucket, Prefix="run/step_00000003/")["Contents"]}
+    assert keys == names | {".metadata"}  # the loser's shards are gone, the winner's all there
+    out = {"w": torch.zeros(64), "optim": {"step": -1}}
+    dcp.load(out, storage_reader=dcpstore.ObjectStoreReader(f"{root}/step_00000003"), no_dist=True)
+    assert torch.equal(out["w"], torch.ones(64)) and out["optim"] == {"step": 9}

@@ -91,6 +91,7 @@ class SaveStats:
     exists_check_s: float = 0.0  # waiting for staged copies, and the HEAD that refuses a committed step early
     planning_s: float = 0.0  # flag all-reduce, plus plan exchange when not cached
     plan_reused: bool = False
+    metadata_patched: bool = False  # the coordinator wrote .metadata over the last one's bytes (metadata_template)
     upload_s: float = 0.0
     commit_s: float = 0.0
     staged_bytes: int = 0
@@ -678,7 +679,10 @@ class AsyncCheckpointer:
         try:
             record = self._next_commit(job)
             writer.commit_tags, writer.commit_record = record.tags(), record.planner_data()
-            writer.finish(metadata, gathered)
+            try:
+                writer.finish(metadata, gathered)
+            finally:
+                job.stats.metadata_patched = writer.patched_commit
         except CommitOutcomeUnknownError as e:
             self._last_sequence = record.sequence  # it may have committed with it
             self._unsettled.add(job.step)

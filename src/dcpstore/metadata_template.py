@@ -46,6 +46,7 @@ import pickle
 from typing import Any, Callable
 
 import numpy
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from . import planner_data
 
@@ -110,15 +111,15 @@ class Template:
         return [i for i, slot in enumerate(self.slots) if slot.role.startswith(prefix)]
 
 
-def build(metadata: Any, found: list[_Value]) -> Template | None:
+def build(metadata: Any, found: list[_Value], raw: bytes | None = None) -> Template | None:
     """The template of ``metadata`` with the slots ``found`` (in pickling order); ``None`` if they cannot be located exactly.
 
-    Pickles ``metadata`` twice (see the module docstring); ``metadata`` is
-    left as it was.
+    Pickles ``metadata`` twice (see the module docstring), or once when
+    ``raw`` is its pickle already; ``metadata`` is left as it was.
     """
     if not found or any(_kind(v.value) is None for v in found):
         return None
-    first = pickle.dumps(metadata, protocol=PROTOCOL)
+    first = raw if raw is not None else pickle.dumps(metadata, protocol=PROTOCOL)
     changed = [_changed(v.value, i) for i, v in enumerate(found)]
     try:
         for v, new in zip(found, changed):
@@ -257,11 +258,11 @@ class _Walk:
         self.found.append(entry)
 
 
-def dcpstore_slots(metadata: Any, bytes_items: Callable[[Any], bool]) -> list[_Value]:
+def dcpstore_slots(metadata: Any) -> list[_Value]:
     """The values of a dcpstore ``.metadata`` that change from save to save of one structure, in pickling order.
 
-    ``bytes_items(index)``: whether the item is a bytes item (its offset and
-    length may change).  ``metadata``'s fields are pickled in the order of
+    A bytes item's offset and length are among them (they may change).
+    ``metadata``'s fields are pickled in the order of
     its ``__dict__``: ``planner_data`` (dcpstore's entries: the commit
     record, the crc32 array, the resume index's pointer) before
     ``storage_data`` (each shard name where first met, then a bytes item's
@@ -270,7 +271,7 @@ def dcpstore_slots(metadata: Any, bytes_items: Callable[[Any], bool]) -> list[_V
     walk = _Walk()
     fields = {
         "planner_data": lambda: _planner_data_slots(walk, metadata.planner_data),
-        "storage_data": lambda: _storage_data_slots(walk, metadata.storage_data, bytes_items),
+        "storage_data": lambda: _storage_data_slots(walk, metadata.storage_data, _bytes_item_test(metadata)),
         "storage_meta": lambda: _storage_meta_slots(walk, metadata.storage_meta),
     }
     for name in vars(metadata):
@@ -313,3 +314,95 @@ def _storage_meta_slots(walk: _Walk, meta: Any) -> None:
     if meta is not None:
         walk.add("checkpoint_id", meta, "checkpoint_id")
         walk.add("save_id", meta, "save_id")
+
+
+# -- a commit's template --------------------------------------------------------------
+
+
+class CommitTemplate:
+    """The last committed save's ``.metadata`` template, and the layout a later save must have to be patched into it.
+
+    The layout is every write result's index, shard (its name without the
+    generation) and, for a tensor item, offset and length, in the order the
+    results were gathered (``storage_data``'s): a save is patched only when
+    it wrote exactly those items, where the template says, so a patched
+    ``.metadata`` names no byte this save did not write and misses none it
+    did.  A bytes item may change its offset and length (it is last in its
+    shard), within their pickled widths.
+    """
+
+    def __init__(self, template: Template, metadata: Any, layout: list[tuple], generation: str):
+        self.template = template
+        self.metadata = metadata  # the Metadata object the template pickles: a save of another one is another structure
+        self.layout = layout
+        self.generation = generation
+
+    @classmethod
+    def of_save(cls, metadata: Any, raw: bytes, results: list, generation: str) -> "CommitTemplate | None":
+        """The template of a save just pickled as ``raw`` by the full path; ``None`` if it cannot be patched later."""
+        if isinstance(metadata.planner_data, dict) and planner_data.INDEX_KEY in metadata.planner_data:
+            return None  # the resume index is rebuilt on every save: not patched
+        template = build(metadata, dcpstore_slots(metadata), raw)
+        if template is None:
+            return None
+        return cls(template, metadata, _layout(metadata, results, generation), generation)
+
+    def patched(self, metadata: Any, results: list, generation: str, record: dict, url: str, save_id: str) -> bytearray | None:
+        """The ``.metadata`` of a save of the same structure, patched in place; ``None`` when it must take the full path.
+
+        ``results``: the save's write results; ``record``: its commit record
+        (``planner_data.COMMIT_KEY``); ``url`` and ``save_id``: its
+        ``storage_meta``.  Once this returns bytes, the template holds them.
+        """
+        if metadata is not self.metadata or _layout(metadata, results, generation) != self.layout:
+            return None
+        is_bytes = _bytes_item_test(metadata)
+        flat = [wr for rank_results in results for wr in rank_results]
+        crcs = [getattr(wr, "crc32", None) for wr in flat]
+        moved = iter([n for wr in flat if is_bytes(wr.index) for n in (wr.storage_data.offset, wr.storage_data.length)])
+        values = []
+        for slot, old in zip(self.template.slots, self.template.values):
+            if slot.role == "name":
+                if f"_{self.generation}_" not in old:
+                    return None  # a shard not named by this writer's generations
+                values.append(old.replace(f"_{self.generation}_", f"_{generation}_", 1))
+            elif slot.role == "crc32":
+                if None in crcs:
+                    return None
+                values.append(planner_data.pack_crc32s(crcs))
+            elif slot.role in ("bytes.offset", "bytes.length"):
+                values.append(next(moved, None))  # None (no such item): Unpatchable below
+            elif slot.role.startswith("commit.") and slot.role[len("commit."):] in record:
+                values.append(record[slot.role[len("commit."):]])
+            elif slot.role == "checkpoint_id":
+                values.append(url)
+            elif slot.role == "save_id":
+                values.append(save_id)
+            else:
+                return None
+        try:
+            raw = self.template.patch(values)
+        except Unpatchable:
+            return None
+        self.generation = generation
+        return raw
+
+    def names(self) -> set[str]:
+        """The shard objects the template's ``.metadata`` names now."""
+        return {value for slot, value in zip(self.template.slots, self.template.values) if slot.role == "name"}
+
+
+def _bytes_item_test(metadata: Any) -> Callable[[Any], bool]:
+    sdm = metadata.state_dict_metadata
+    return lambda index: isinstance(sdm.get(index.fqn), BytesStorageMetadata)
+
+
+def _layout(metadata: Any, results: list, generation: str) -> list[tuple]:
+    is_bytes = _bytes_item_test(metadata)
+    out = []
+    for rank_results in results:
+        for wr in rank_results:
+            info = wr.storage_data
+            shard = info.relative_path.replace(f"_{generation}_", "_", 1)
+            out.append((wr.index, shard) if is_bytes(wr.index) else (wr.index, shard, info.offset, info.length))
+    return out

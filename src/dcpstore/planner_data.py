@@ -410,7 +410,12 @@ def checksum_extras(storage_data: dict, checksums: dict[MetadataIndex, int]) -> 
     ordered = [checksums.get(index) for index in storage_data]
     if None in ordered:
         return {CHECKSUMS_KEY: checksums}
-    return {CRC32_ARRAY_KEY: _pack(array("I", ordered))}
+    return {CRC32_ARRAY_KEY: pack_crc32s(ordered)}
+
+
+def pack_crc32s(crcs: Sequence[int]) -> bytes:
+    """``CRC32_ARRAY_KEY``'s bytes for ``crcs``, in ``storage_data``'s order."""
+    return _pack(array("I", crcs))
 
 
 def read_checksums(metadata: Metadata, where: str = ".metadata") -> dict[MetadataIndex, int]:

@@ -79,7 +79,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import planner_data, resume_index
+from . import metadata_template, planner_data, resume_index
 from .commit import Outcome, write_metadata
 from .errors import CheckpointExistsError, CommitOutcomeUnknownError, DcpstoreError, ObjectNotFoundError
 from .layout import METADATA_KEY, destination, is_tombstone
@@ -401,6 +401,9 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._store: ObjectStore | None = None
         self._free_staging: list[StagingPool] = []  # for dcp.async_save: pools no staged copy holds now
+        # The last full commit's .metadata as a template (metadata_template): kept across saves, not reset.
+        self._template: metadata_template.CommitTemplate | None = None
+        self.patched_commit = False  # whether the last finish() patched the template
         self.reset(url)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -411,7 +414,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         pools and the S3 client cannot travel and are remade there.
         """
         state = self.__dict__.copy()
-        state["_store"] = state["_executor"] = None
+        state["_store"] = state["_executor"] = state["_template"] = None
         state["_free_staging"] = []  # host memory stays in this process
         return state
 
@@ -604,6 +607,8 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         return f"{slot * 256 // self.key_spread:02x}/{name}"
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self._commit_patched(metadata, results):
+            return
         storage_data = {}
         checksums = {}
         for rank_results in results:
@@ -626,7 +631,33 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         if pointer is not None:
             extras[planner_data.INDEX_KEY] = pointer
             metadata.planner_data = planner_data.embed(user_planner_data, extras)
-        self.commit(pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL), storage_data)
+        raw = pickle.dumps(metadata, protocol=metadata_template.PROTOCOL)
+        self._template = None
+        if self.commit_record is not None:  # an AsyncCheckpointer's save: the next one of this structure may patch it
+            self._template = metadata_template.CommitTemplate.of_save(metadata, raw, results, self.save_id[:16])
+        self.commit(raw, {info.relative_path for info in storage_data.values()})
+
+    def _commit_patched(self, metadata: Metadata, results: list[list[WriteResult]]) -> bool:
+        """Commit the last save's ``.metadata`` with this save's values written over it, if this save has its structure.
+
+        See ``metadata_template``: no ``Metadata`` is built or pickled, and
+        ``metadata`` (the cached one, which ``dcp.save`` would return) is
+        left as the last full commit made it.  Whether it could is
+        ``patched_commit`` afterwards.
+        """
+        self.patched_commit = False
+        if self._template is None or self.commit_record is None or self.overwrite:
+            return False
+        raw = self._template.patched(
+            metadata, results, self.save_id[:16], self.commit_record, self.url, self.save_id
+        )
+        if raw is None:
+            self._template = None
+            return False
+        self.patched_commit = True
+        # A copy: the template's bytes change with the next save, and no body a retry resends may change under it.
+        self.commit(bytes(raw), self._template.names())
+        return True
 
     def _write_resume_index(self, metadata: Metadata, compact: dict | None, checksums: dict) -> dict | None:
         """PUT the resume index (see ``resume_index``) before ``.metadata``; its pointer, or ``None`` without one.
@@ -692,7 +723,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         logger.info("%s: plans do not fit the compact form; persisting them in full", self.url)
         return {planner_data.ALL_LOCAL_PLANS_KEY: plans}
 
-    def commit(self, raw_metadata: bytes, storage_data: dict) -> None:
+    def commit(self, raw_metadata: bytes | bytearray, paths: set[str]) -> None:
         """Write ``.metadata``: the one conditional PUT that makes the checkpoint exist.
 
         Its outcome is what storage shows (see ``commit``): an error after
@@ -703,7 +734,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         back: the shards are kept.  After an overwrite, the replaced
         checkpoint's shards are deleted.
         """
-        new_paths = {info.relative_path for info in storage_data.values()} | ({self._index_key} if self._index_key else set())
+        new_paths = paths | ({self._index_key} if self._index_key else set())
         self._check_still_stored(new_paths)
         if self.overwrite and self._replaced is None:
             self._replaced = self._read_replaced()  # planning ran elsewhere (e.g. a cached plan)
