@@ -138,8 +138,9 @@ def write_results(central: list[SavePlan]) -> list[list[ChecksummedWriteResult]]
 
 class _Captured(ObjectStoreWriter):
     raw: bytes = b""
+    metadata: Metadata | None = None  # what raw pickles (set by finish below): the template is built from it
 
-    def commit(self, raw_metadata: bytes, storage_data: dict) -> None:
+    def commit(self, raw_metadata: bytes, paths: set[str]) -> None:
         self.raw = raw_metadata
 
 
@@ -166,7 +167,7 @@ def finish(writer_plans, metadata: Metadata, results, *, checksums: bool = True)
     md = dataclasses.replace(metadata)
     t0 = time.perf_counter()
     writer.finish(md, results)
-    writer.metadata = md  # what .metadata pickles: the template is built from it
+    writer.metadata = md
     return writer, time.perf_counter() - t0
 
 

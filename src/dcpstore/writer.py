@@ -633,9 +633,14 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
             metadata.planner_data = planner_data.embed(user_planner_data, extras)
         raw = pickle.dumps(metadata, protocol=metadata_template.PROTOCOL)
         self._template = None
-        if self.commit_record is not None:  # an AsyncCheckpointer's save: the next one of this structure may patch it
+        if self._patches_commits:  # the next save of this structure may patch this one
             self._template = metadata_template.CommitTemplate.of_save(metadata, raw, results, self.save_id[:16])
         self.commit(raw, {info.relative_path for info in storage_data.values()})
+
+    @property
+    def _patches_commits(self) -> bool:
+        """Whether commits may patch the last one: an ``AsyncCheckpointer``'s (it sets the commit record), never an overwrite."""
+        return self.commit_record is not None and not self.overwrite
 
     def _commit_patched(self, metadata: Metadata, results: list[list[WriteResult]]) -> bool:
         """Commit the last save's ``.metadata`` with this save's values written over it, if this save has its structure.
@@ -646,7 +651,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         ``patched_commit`` afterwards.
         """
         self.patched_commit = False
-        if self._template is None or self.commit_record is None or self.overwrite:
+        if self._template is None or not self._patches_commits:
             return False
         raw = self._template.patched(
             metadata, results, self.save_id[:16], self.commit_record, self.url, self.save_id
