@@ -221,6 +221,8 @@ def _rss_child(kind: str, path: str) -> int:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
 
+    if kind == "share":  # the block and the segments of the writers it reads, as measure() pickled them
+        raw, segments = pickle.loads(raw)
     entry = {"key": "index", "save_id": "0", "rank": 0, "block": [0, len(raw), hashlib.sha256(raw).hexdigest()]}
 
     class _OneObject:
@@ -233,7 +235,7 @@ def _rss_child(kind: str, path: str) -> int:
     gc.collect()
     before = status("VmRSS:")
     if kind == "share":
-        kept = resume_index.share_metadata(resume_index.read_block(_OneObject(), entry), entry, "bench")
+        kept = resume_index.share_metadata(resume_index.read_block(_OneObject(), entry), entry, "bench", segments)
     else:
         kept = safe_pickle.loads_metadata(raw, "bench")
     peak = status("VmHWM:")
@@ -281,16 +283,23 @@ def measure(world_size: int, items_per_rank: int, *, repeat: int, safe_read_max:
         store = captured.store
         pointer = resume_index.pointer_of(loaded)
         directory = resume_index.read_directory(store, pointer, world_size)
-        entry = resume_index.rank_entry(directory, rank)
+        entry = resume_index.rank_entry(directory, rank, resume_index.read_values(store, directory))
         offset, length, _ = entry["block"]
-        share = resume_index.share_metadata(resume_index.read_block(store, entry), entry, "bench")
+        segments = resume_index.read_segments(store, entry)
+        share = resume_index.share_metadata(resume_index.read_block(store, entry), entry, "bench", segments)
         assert len(share.metadata.storage_data) == len(share.local_plan.items)
+
+        def read_share():
+            return resume_index.share_metadata(
+                resume_index.read_block(store, entry), entry, "bench", resume_index.read_segments(store, entry)
+            )
+
         row.update(
             index_bytes=pointer["size"],
             block_bytes=length,
             directory_bytes=pointer["directory"][1],
-            share_s=best_of(lambda: resume_index.share_metadata(resume_index.read_block(store, entry), entry, "bench"), repeat),
-            share_rss=rss_growth("share", store.get_range(pointer["key"], offset, offset + length)),
+            share_s=best_of(read_share, repeat),
+            share_rss=rss_growth("share", pickle.dumps((store.get_range(pointer["key"], offset, offset + length), segments))),
         )
         store.delete([pointer["key"]])
     if len(raw) <= safe_read_max:

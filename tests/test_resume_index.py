@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 
 from conftest import read_metadata_raw
 from dist_utils import run_ranks
@@ -33,7 +34,7 @@ def _index(s3, bucket, prefix):
     pointer = split(read_metadata_raw(s3, bucket, prefix).planner_data)[1][INDEX_KEY]
     offset, length, _ = pointer["directory"]
     body = s3.get_object(Bucket=bucket, Key=f"{prefix}/{pointer['key']}", Range=f"bytes={offset}-{offset + length - 1}")
-    return pointer, json.loads(zlib.decompress(body["Body"].read()))
+    return pointer, json.loads(body["Body"].read())
 
 
 def _index_gets(proxy, prefix):
@@ -62,9 +63,12 @@ def test_each_rank_resumes_from_its_own_block_with_one_ranged_get(world_size, bu
     # .metadata: the coordinator's HEADs (commit order; the index's pointer), then its one GET of it,
     # for the next commit, on a thread of its own after the load: no rank parses .metadata to resume.
     assert [m for m, p in proxy.requests if p.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "HEAD", "GET"]
-    # The coordinator GETs the directory; every rank, the coordinator too, exactly its block: one ranged GET each.
+    # The coordinator GETs the directory and the save's values (sent on with each rank's entry); every rank,
+    # the coordinator too, exactly its block: one ranged GET each.
     offset, length, _ = pointer["directory"]
-    blocks = [(offset, offset + length)] + [(start, start + size) for start, size, _ in directory["blocks"]]
+    values_start, values_length, _ = directory["values"]
+    blocks = [(offset, offset + length), (values_start, values_start + values_length)]
+    blocks += [(start, start + size) for start, size, _ in directory["blocks"]]
     assert sorted(_index_gets(proxy, "step_00000030")) == sorted(blocks)
     for rank, ((step, loaded, counts, reused, expected, reloaded), logged) in results.items():
         assert step == 30
@@ -119,7 +123,13 @@ def test_a_reader_given_the_state_dict_reads_only_its_share(saved_by, bucket, s3
     if saved_by == 2:
         assert metadata_requests == ["HEAD", "HEAD"]
         blocks = [(start, start + size) for start, size, _ in directory["blocks"]]
-        assert sorted(_index_gets(proxy, "step_00000030")) == sorted([(offset, offset + length)] * 2 + blocks)
+        # and the segments of the ranks whose values its block reads: its own, and the writers of what it shares
+        segments = [
+            (directory["segments"][w][0], directory["segments"][w][0] + directory["segments"][w][1])
+            for needs in directory["needs"] for first, last in needs for w in range(first, last + 1)
+        ]
+        assert any(len(needs) > 1 or needs[0][0] != needs[0][1] for needs in directory["needs"])  # a value read across ranks
+        assert sorted(_index_gets(proxy, "step_00000030")) == sorted([(offset, offset + length)] * 2 + blocks + segments)
     else:  # saved by 4 ranks: the directory says so, and each rank reads .metadata
         assert metadata_requests == ["GET", "GET", "HEAD", "HEAD"]
         assert _index_gets(proxy, "step_00000030") == [(offset, offset + length)] * 2
@@ -162,16 +172,17 @@ def _tensor_row(fqn="w", dtype="float32", size=(4,), **fields):
     return [fqn, "tensor", list(size), properties]
 
 
-def _item_row(offsets=(0,), sizes=(4,), path="__0_a_0.distcp"):
-    return [0, 0, list(offsets), list(sizes), 1, path, 0, 16, None, None]
+def _item_row(offsets=(0,), sizes=(4,), path="__0_*_0.distcp", writer=0, at=0):
+    return [0, 0, list(offsets), list(sizes), 1, writer, path, 0, 16, None, at, None]
 
 
 ENTRY = {"save_id": "s", "dcp_version": None}
+SEGMENTS = {0: ("0123456789abcdef", [12345] * (resume_index.MAX_CHUNKS_PER_FQN + 1), [])}  # rank 0's values
 
 
 def test_a_well_formed_block_gives_the_ranks_share_and_its_plans():
     block = {"fqns": [_tensor_row()], "items": [_item_row()], "plan_data": {"dict": {"w": {"tuple": [{"v": "w"}]}}}}
-    share = resume_index.share_metadata(block, ENTRY, "s3://b/ck")
+    share = resume_index.share_metadata(block, ENTRY, "s3://b/ck", SEGMENTS)
     md = share.metadata.state_dict_metadata["w"]
     assert md.size == torch.Size([4]) and md.properties.dtype is torch.float32
     assert [c.offsets for c in md.chunks] == [torch.Size([0])]
@@ -190,7 +201,10 @@ def test_a_well_formed_block_gives_the_ranks_share_and_its_plans():
         {"fqns": [_tensor_row()[:3] + ["float32", "strided", False, "contiguous_format", False]], "items": [_item_row()]},
         {"fqns": [_tensor_row()], "items": [_item_row(offsets=(-1,))]},
         {"fqns": [_tensor_row()], "items": [_item_row(offsets=(0, 0))]},  # wrong rank
-        {"fqns": [_tensor_row()], "items": [[7, 0, [0], [4], 1, "p", 0, 1, None, None]]},  # no such fqn
+        {"fqns": [_tensor_row()], "items": [[7, 0, [0], [4], 1, 0, "p_*_", 0, 1, None, 0, None]]},  # no such fqn
+        {"fqns": [_tensor_row()], "items": [_item_row(writer=3)]},  # no such writer's values
+        {"fqns": [_tensor_row()], "items": [_item_row(at=10**6)]},  # no such crc32
+        {"fqns": [_tensor_row()], "items": [_item_row(path="__0_0_0.distcp")]},  # no generation to put in
         {"fqns": [["w", "pickle"]], "items": []},
         {"fqns": [_tensor_row()], "items": [_item_row()], "plan_data": {"eval": "__import__('os')"}},
         {"fqns": "w", "items": []},
@@ -198,7 +212,7 @@ def test_a_well_formed_block_gives_the_ranks_share_and_its_plans():
 )
 def test_a_malformed_block_is_refused_by_name_never_built(block):
     with pytest.raises(resume_index.IndexUnusable, match="s3://b/ck|planner_data"):
-        resume_index.share_metadata(block, ENTRY, "s3://b/ck")
+        resume_index.share_metadata(block, ENTRY, "s3://b/ck", SEGMENTS)
 
 
 def _hostile(element: bytes, inflated: int) -> bytes:
@@ -254,7 +268,7 @@ def test_a_real_blocks_parse_estimate_leaves_room_for_ten_times_the_usual_items(
     """A rank of 2,000 items (the usual FSDP shards and AdamW states) is far from the bound the estimate sets."""
     block = {
         "fqns": [_tensor_row(f"model.layers.{i}.weight", size=(4096, 4096)) for i in range(2000)],
-        "items": [[i, 0, [0, 0], [256, 4096], 3, "__0_0123456789abcdef_0.distcp", i << 20, 4 << 20, None, 12345678]
+        "items": [[i, 0, [0, 0], [256, 4096], 3, 0, "__0_*_0.distcp", i << 20, 4 << 20, None, i, None]
                   for i in range(2000)],
         "plan_data": {"v": None},
     }
@@ -267,14 +281,14 @@ def test_nesting_in_plan_data_is_bounded():
     for _ in range(100):
         node = {"list": [node]}
     with pytest.raises(resume_index.IndexUnusable):
-        resume_index.share_metadata({"fqns": [], "items": [], "plan_data": node}, ENTRY, "s3://b/ck")
+        resume_index.share_metadata({"fqns": [], "items": [], "plan_data": node}, ENTRY, "s3://b/ck", SEGMENTS)
 
 
 def test_chunks_of_one_fqn_are_capped_since_their_keys_hash_predictably():
     rows = [_item_row(offsets=(n,), sizes=(1,)) for n in range(resume_index.MAX_CHUNKS_PER_FQN + 1)]
     block = {"fqns": [_tensor_row(size=(resume_index.MAX_CHUNKS_PER_FQN + 1,))], "items": rows}
     with pytest.raises(resume_index.IndexUnusable, match="chunks of 'w'"):
-        resume_index.share_metadata(block, ENTRY, "s3://b/ck")
+        resume_index.share_metadata(block, ENTRY, "s3://b/ck", SEGMENTS)
 
 
 # -- a field torch adds to TensorProperties later (torch 2.15 added ``strides``) ---------------
@@ -290,10 +304,13 @@ def _share_of(properties, written_by="9.9.0"):
     sdm = {"w": TensorStorageMetadata(properties, torch.Size([4]), [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))])}
     data = TensorWriteData(chunk=sdm["w"].chunks[0], properties=properties, size=sdm["w"].size)
     local = SavePlan([WriteItem(MetadataIndex("w", torch.Size([0])), WriteItemType.TENSOR, tensor_data=data)])
-    metadata = Metadata(sdm, storage_data={MetadataIndex("w", torch.Size([0]), 0): _StorageInfo("__0_0.distcp", 0, 16)})
+    info = _StorageInfo("__0_0123456789abcdef_0.distcp", 0, 16)
+    metadata = Metadata(sdm, storage_data={MetadataIndex("w", torch.Size([0]), 0): info})
     compact = planner_data.encode_plans([local, local], metadata, [{MetadataIndex("w", torch.Size([0]))}, set()])
-    raw, pointer = resume_index.build(metadata, compact, {}, "s")
-    directory = json.loads(zlib.decompress(raw[pointer["directory"][0]:]))
+    layout = resume_index.layout_of(metadata, compact, [[WriteResult(MetadataIndex("w", torch.Size([0])), 16, info)], []], False)
+    parts, pointer = layout.assemble([resume_index.encode_segment("0123456789abcdef", [], []), resume_index.encode_segment("0" * 16, [], [])], "s")
+    raw = b"".join(parts)
+    directory = json.loads(raw[pointer["directory"][0]:])
     start, length, _ = directory["blocks"][0]
     block = json.loads(zlib.decompress(raw[start:start + length]))
     return block, {**ENTRY, "torch_version": written_by}, local
@@ -303,7 +320,7 @@ def test_a_field_both_torches_have_is_carried_and_the_plan_is_reused(monkeypatch
     monkeypatch.setattr(resume_index, "TensorProperties", FutureProperties)
     block, entry, local = _share_of(FutureProperties(dtype=torch.bfloat16, sparsity=3))
     assert block["fqns"][0][3]["sparsity"] == {"v": 3}  # stored by name, like every other field
-    share = resume_index.share_metadata(block, entry, "s3://b/ck")
+    share = resume_index.share_metadata(block, entry, "s3://b/ck", SEGMENTS)
     assert share.metadata.state_dict_metadata["w"].properties == FutureProperties(dtype=torch.bfloat16, sparsity=3)
     cache = PlanCache()
     assert cache.fill_from_share(share.local_plan, share.final_plan, rank=1, world_size=2, planner=DefaultSavePlanner(),
@@ -315,13 +332,13 @@ def test_a_field_the_reading_torch_lacks_is_refused_by_name():
     written = FutureProperties(dtype=torch.bfloat16, sparsity=3)
     block, entry, _ = _share_of(written, written_by="9.9.0")
     with pytest.raises(resume_index.IndexUnusable, match=r"'w': TensorProperties.sparsity \(written by torch 9.9.0\) is not a field of torch"):
-        resume_index.share_metadata(block, entry, "s3://b/ck")
+        resume_index.share_metadata(block, entry, "s3://b/ck", SEGMENTS)
 
 
 def test_a_field_the_writing_torch_lacked_takes_its_default_and_the_miss_names_it(monkeypatch):
     block, entry, _ = _share_of(TensorProperties(dtype=torch.bfloat16), written_by="2.0.0")
     monkeypatch.setattr(resume_index, "TensorProperties", FutureProperties)
-    share = resume_index.share_metadata(block, entry, "s3://b/ck")
+    share = resume_index.share_metadata(block, entry, "s3://b/ck", SEGMENTS)
     assert share.metadata.state_dict_metadata["w"].properties == FutureProperties(dtype=torch.bfloat16, sparsity=0)
     cache = PlanCache()
     assert cache.fill_from_share(share.local_plan, share.final_plan, rank=1, world_size=2, planner=DefaultSavePlanner(),

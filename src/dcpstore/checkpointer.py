@@ -898,7 +898,7 @@ class AsyncCheckpointer:
             shared: Any = self._find_for_load(step) if coordinator else None
             if coordinator and not isinstance(shared, BaseException):
                 step, directory, raw = shared
-                shared = [(step, resume_index.rank_entry(directory, r) if directory else None) for r in range(self.world_size)]
+                shared = [(step, self._rank_entry(directory, r)) for r in range(self.world_size)]
             elif coordinator:
                 shared = [shared] * self.world_size
             shared = self._coll.scatter(shared)
@@ -959,6 +959,17 @@ class AsyncCheckpointer:
             allow_globals=allow_globals,
             allow_unsafe_pickle=allow_unsafe_pickle,
         )
+
+    @staticmethod
+    def _rank_entry(directory: dict | None, rank: int) -> dict | None:
+        """Rank ``rank``'s entry of the directory, with the values its block reads (the coordinator read them once)."""
+        if directory is None:
+            return None
+        try:
+            return resume_index.rank_entry(directory, rank, directory["values_read"])
+        except resume_index.IndexUnusable as e:
+            logger.warning("rank %d falls back to .metadata: %s", rank, e)
+            return None
 
     def _read_share(self, reader: ObjectStoreReader, entry: dict, flat_sd: dict, url: str) -> resume_index.Share | None:
         """This rank's share of the checkpoint from its index block (``entry``), or ``None`` (logged) to read ``.metadata``."""
@@ -1058,7 +1069,8 @@ class AsyncCheckpointer:
                 pointer = resume_index.pointer_of(parse_metadata(raw, store.url_for(METADATA_KEY)))
             if pointer is None:
                 raise resume_index.IndexUnusable("the checkpoint has no resume index", damaged=False)
-            return resume_index.read_directory(store, pointer, self.world_size), raw
+            directory = resume_index.read_directory(store, pointer, self.world_size)
+            return {**directory, "values_read": resume_index.read_values(store, directory)}, raw
         except resume_index.IndexUnusable as e:
             if self.world_size > 1:
                 (logger.warning if e.damaged else logger.info)(

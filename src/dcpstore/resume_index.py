@@ -7,20 +7,27 @@ structure needs only what its own local plan held: its items, where each
 was written (by itself, or by whichever rank dedup chose for a replicated
 item), and its plan for the next save.
 
-So ``finish()`` also writes, before ``.metadata``, one object of blocks laid
-rank-major: block ``r`` is rank ``r``'s share, JSON compressed with zlib.
-After the blocks comes the directory: each block's offset, length and
-SHA-256, the save's nonce, the world size.  ``.metadata`` names the
+So ``finish()`` also writes, before ``.metadata``, one object in three
+parts.  First the blocks, rank-major: block ``r`` is rank ``r``'s share
+(its items, which rank wrote each, in which shard and where, and its plans),
+JSON compressed with zlib.  A block holds nothing a save of the same
+structure changes, so a later save writes the same blocks (``Layout``).
+Then the values: one binary segment per writer rank with what each save
+changes, at a width that does not change (the generation in its shard
+names, its items' crc32s, its bytes items' offsets and lengths).  Last, the
+directory (plain JSON): each block's and each segment's offset, length and
+SHA-256, the writers whose values each block reads, the save's nonce, the
+world size.  ``.metadata`` names the
 directory (its offset, length and SHA-256) twice: in its ``planner_data``
 under ``planner_data.INDEX_KEY`` (for ``dcpstore verify`` and stores without
 user metadata) and as user metadata of the commit's conditional PUT
 (``INDEX_TAG``), so the coordinator finds the index with one HEAD of
-``.metadata``, never parsing it: it GETs the directory, checks its hash, and
-sends each rank its own entry (``rank_entry``).  Each rank GETs its own
-block with one ranged GET, checks its hash, and builds a ``Metadata``
-holding only its chunks (``share_metadata``).  The hashes chain from the
-commit itself: a block that does not match the ``.metadata`` that names it
-is never used.
+``.metadata``, never parsing it: it GETs the directory and the values,
+checks their hashes, and sends each rank its own entry with the segments its
+block reads (``rank_entry``).  Each rank GETs its own block with one ranged
+GET, checks its hash, and builds a ``Metadata`` holding only its chunks
+(``share_metadata``).  The hashes chain from the commit itself: a block or
+a segment that does not match the ``.metadata`` that names it is never used.
 ``.metadata`` itself stays torch's format: stock readers never see the index.
 
 The index is a cache of what ``.metadata`` says.  Whatever is off (no
@@ -38,9 +45,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import reprlib
 import zlib
-from typing import Any
+from typing import Any, Sequence
+
+import numpy
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -62,15 +72,18 @@ from . import planner_data
 from .errors import CorruptCheckpointError, ObjectNotFoundError
 from .layout import METADATA_KEY, NONCE_KEY
 
-VERSION = 3  # 3: TensorProperties by field name (torch 2.15 added one); 2 held five fields by position
+VERSION = 4  # 4: a save's own values (generation, crc32s, bytes extents) in a segment per writer, apart from the blocks
 INDEX_TAG = "dcpstore-index"  # x-amz-meta of .metadata: "<offset>:<length>:<sha256>" of the directory
 # Peak memory of reading one part stays under 256 MiB, whatever the bucket
 # holds: its bytes (compressed), the inflated text, and what parsing it
 # builds, estimated from the text before it is parsed (``_parse_bounded``).
-MAX_DIRECTORY_BYTES = 16 << 20  # compressed and inflated; about 100 bytes a rank
-MAX_BLOCK_BYTES = 16 << 20  # compressed; a rank's block is hundreds of KB at 2,000 items
+MAX_DIRECTORY_BYTES = 16 << 20  # about 200 bytes a rank
+MAX_BLOCK_BYTES = 16 << 20  # compressed; a rank's block is tens of KB at 2,000 items
 MAX_BLOCK_JSON = 48 << 20  # inflated: a block that inflates past this is refused before it is parsed
 MAX_PARSE_MEMORY = 160 << 20  # what json.loads of one part may build, by the estimate below
+MAX_VALUES_BYTES = 1 << 30  # every writer's segment: 4 bytes an item, 32 MB at 4,096 x 2,000
+GENERATION_DIGITS = 16  # a shard name's generation (see writer): the first hex digits of its save's id
+_SHARD_NAME = re.compile(r"__\d+_([0-9a-f]{%d})_\d+\.distcp" % GENERATION_DIGITS)
 # Chunks of one fqn in one rank's share: 1 for a DTensor or plain tensor, a
 # few for a LocalShardsWrapper.  The offsets of a MetadataIndex key hash
 # predictably (ints), so many chunks of one fqn could be made to collide.
@@ -104,23 +117,110 @@ def index_key(save_id: str) -> str:
 # -- writing -----------------------------------------------------------------------------
 
 
-def build(metadata: Metadata, compact: dict[str, Any], checksums: dict, save_id: str) -> tuple[bytes, dict[str, Any]] | None:
-    """The index object and its pointer (what ``.metadata`` stores) for a save's ``metadata``; ``None`` if it cannot hold it exactly.
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a save's index holds that stays the same from save to save of one structure.
+
+    The blocks (each rank's share: its items, who wrote each, in which shard
+    and where, and its plans) depend on the structure alone: every value a
+    save changes (a shard name's generation, the crc32s, a bytes item's
+    offset and length) lives in its writer's segment instead.  So a later
+    save of the structure writes the same blocks with new segments
+    (``assemble``), without building a block again.
+    """
+
+    blocks: bytes  # every rank's block, rank-major
+    block_bounds: list[list[Any]]  # [offset, length, sha256] of each in ``blocks``
+    needs: list[list[list[int]]]  # per rank: the [first, last] ranges of the writers its block reads values of
+    counts: list[tuple[int, int]]  # per writer: (items it wrote, of them bytes items)
+    checksums: bool  # whether a segment holds its items' crc32s
+    dcp_version: Any
+    torch_version: str
+
+    def segments(self, metadata: Metadata, results: list[list[Any]]) -> list[bytes] | None:
+        """Each writer's segment of a save's write results; ``None`` when they do not have this layout."""
+        sdm = metadata.state_dict_metadata
+        out = []
+        for rank_results, (items, bytes_items) in zip(results, self.counts):
+            if len(rank_results) != items:
+                return None
+            generation = _generation(rank_results[0].storage_data.relative_path) if rank_results else "0" * GENERATION_DIGITS
+            crcs = [getattr(wr, "crc32", None) for wr in rank_results] if self.checksums else []
+            extents = [
+                n for wr in rank_results if isinstance(sdm.get(wr.index.fqn), BytesStorageMetadata)
+                for n in (wr.storage_data.offset, wr.storage_data.length)
+            ]
+            if generation is None or None in crcs or len(extents) != 2 * bytes_items:
+                return None
+            out.append(encode_segment(generation, crcs, extents))
+        return out if len(out) == len(self.counts) else None
+
+    def assemble(self, segments: list[bytes], save_id: str) -> tuple[list[bytes], dict[str, Any]]:
+        """The index object (as parts, to send back to back) of a save with these ``segments``, and its pointer."""
+        offset = len(self.blocks)
+        bounds = []
+        for (items, bytes_items), segment in zip(self.counts, segments):
+            bounds.append([offset, len(segment), hashlib.sha256(segment).hexdigest(), items, bytes_items])
+            offset += len(segment)
+        values = b"".join(segments)
+        directory = {
+            "version": VERSION,
+            "save_id": save_id,
+            "world_size": len(self.block_bounds),
+            "dcp_version": self.dcp_version,
+            "torch_version": self.torch_version,
+            "checksums": self.checksums,
+            "blocks": self.block_bounds,
+            "segments": bounds,
+            "values": [len(self.blocks), len(values), hashlib.sha256(values).hexdigest()],
+            "needs": self.needs,
+        }
+        raw_directory = json.dumps(directory, separators=(",", ":")).encode()
+        pointer = {
+            "version": VERSION,
+            "key": index_key(save_id),
+            "save_id": save_id,
+            "size": offset + len(raw_directory),
+            "directory": [offset, len(raw_directory), hashlib.sha256(raw_directory).hexdigest()],
+        }
+        return [self.blocks, values, raw_directory], pointer
+
+
+def encode_segment(generation: str, crcs: Sequence[int], extents: Sequence[int]) -> bytes:
+    """A writer's segment: its generation (ASCII), its items' crc32s (uint32 LE), its bytes items' offsets and lengths (uint64 LE)."""
+    return generation.encode() + numpy.asarray(crcs, "<u4").tobytes() + numpy.asarray(extents, "<u8").tobytes()
+
+
+def _generation(path: str) -> str | None:
+    match = _SHARD_NAME.fullmatch(path.rpartition("/")[2])
+    return match.group(1) if match else None
+
+
+def layout_of(metadata: Metadata, compact: dict[str, Any], results: list[list[Any]], checksums: bool) -> Layout | None:
+    """The ``Layout`` of a save's index; ``None`` if the index cannot hold this save exactly.
 
     ``compact``: the save's plans (``planner_data.encode_plans``), which say
-    what each rank's local plan held; ``checksums``: ``MetadataIndex -> crc32``.
-    Runs on every save (the storage paths change), so it works from the
-    compact codes and plain tuples, not from decoded plans: O(W x N) dict
-    lookups and one JSON encoding per block.
+    what each rank's local plan held; ``results``: every writer's write
+    results, in gathered order (``storage_data``'s).  Runs on the first save
+    of a structure: O(W x N) dict lookups and one JSON encoding per block.
     """
     sdm = metadata.state_dict_metadata
     fqns = list(sdm)
+    written: dict[tuple, tuple[int, int, int | None]] = {}  # key -> (writer, position, bytes position)
+    counts = []
+    for writer, rank_results in enumerate(results):
+        bytes_items = 0
+        for position, wr in enumerate(rank_results):
+            is_bytes = isinstance(sdm.get(wr.index.fqn), BytesStorageMetadata)
+            written[(wr.index.fqn, _key(wr.index.offset))] = (writer, position, bytes_items if is_bytes else None)
+            bytes_items += is_bytes
+        counts.append((len(rank_results), bytes_items))
     where = {(index.fqn, _key(index.offset)): info for index, info in metadata.storage_data.items()}
-    crcs = {(index.fqn, _key(index.offset)): crc for index, crc in checksums.items()}
     user_pd = planner_data.user_planner_data(metadata)
     fqn_rows: dict[int, list[Any]] = {}
     encoded_pd: dict[int, Any] = {}  # id(planner_data) -> its encoding: ranks share one object
     blocks: list[bytes] = []
+    needs: list[list[list[int]]] = []
     try:
         for rank in range(len(compact["ranks"])):
             pd = planner_data.rank_planner_data(compact, metadata, rank, user_pd)
@@ -129,6 +229,7 @@ def build(metadata: Metadata, compact: dict[str, Any], checksums: dict, save_id:
             slots: dict[int, int] = {}
             block_fqns: list[list[Any]] = []
             rows: list[list[Any]] = []
+            writers: set[int] = set()
             for i, j, shard, keep in planner_data.rank_codes(compact, rank):
                 slot = slots.get(i)
                 if slot is None:
@@ -145,12 +246,18 @@ def build(metadata: Metadata, compact: dict[str, Any], checksums: dict, save_id:
                     offsets, sizes = list(chunk.offsets), list(chunk.sizes)
                     key = (fqns[i], tuple(offsets))
                 info = where[key]
+                writer, position, bytes_position = written[key]
+                generation = _generation(info.relative_path)
+                if generation is None:
+                    return None  # not a name this writer gives: its generation cannot move to a segment
+                path = info.relative_path.replace(f"_{generation}_", "_*_", 1)
+                offset, length = (None, None) if bytes_position is not None else (info.offset, info.length)
                 transforms = getattr(info, "transform_descriptors", None)
+                writers.add(writer)
                 rows.append(
                     [
-                        slot, j, offsets, sizes, shard << 1 | keep,
-                        info.relative_path, info.offset, info.length,
-                        list(transforms) if transforms else None, crcs.get(key),
+                        slot, j, offsets, sizes, shard << 1 | keep, writer, path, offset, length,
+                        list(transforms) if transforms else None, position, bytes_position,
                     ]
                 )
             block = {"fqns": block_fqns, "items": rows, "plan_data": encoded_pd[id(pd)]}
@@ -158,29 +265,27 @@ def build(metadata: Metadata, compact: dict[str, Any], checksums: dict, save_id:
             if len(text) > MAX_BLOCK_JSON or parse_cost(text) > MAX_PARSE_MEMORY:
                 return None  # a block its reader would refuse (more items a rank than the bounds allow)
             blocks.append(zlib.compress(text, 1))
+            needs.append(_ranges(sorted(writers)))
     except (KeyError, IndexError, TypeError, ValueError, zlib.error):
         return None
-    entries, offset = [], 0
+    block_bounds, offset = [], 0
     for block in blocks:
-        entries.append([offset, len(block), hashlib.sha256(block).hexdigest()])
+        block_bounds.append([offset, len(block), hashlib.sha256(block).hexdigest()])
         offset += len(block)
-    directory = {
-        "version": VERSION,
-        "save_id": save_id,
-        "world_size": len(blocks),
-        "dcp_version": getattr(metadata, "version", None),
-        "torch_version": str(torch.__version__),
-        "blocks": entries,
-    }
-    raw_directory = zlib.compress(json.dumps(directory, separators=(",", ":")).encode(), 1)
-    pointer = {
-        "version": VERSION,
-        "key": index_key(save_id),
-        "save_id": save_id,
-        "size": offset + len(raw_directory),
-        "directory": [offset, len(raw_directory), hashlib.sha256(raw_directory).hexdigest()],
-    }
-    return b"".join(blocks) + raw_directory, pointer
+    return Layout(
+        b"".join(blocks), block_bounds, needs, counts, checksums, getattr(metadata, "version", None), str(torch.__version__)
+    )
+
+
+def _ranges(sorted_ints: list[int]) -> list[list[int]]:
+    """``[0, 1, 2, 5]`` as ``[[0, 2], [5, 5]]``."""
+    out: list[list[int]] = []
+    for n in sorted_ints:
+        if out and out[-1][1] == n - 1:
+            out[-1][1] = n
+        else:
+            out.append([n, n])
+    return out
 
 
 def tags(pointer: dict[str, Any]) -> dict[str, str]:
@@ -299,53 +404,78 @@ def read_directory(store, pointer: dict[str, Any], world_size: int | None) -> di
     a resharded load), or ``None`` to read it whatever it was saved by.
     """
     key = pointer.get("key")
-    directory = _read_part(store, key, pointer.get("directory"), MAX_DIRECTORY_BYTES, MAX_DIRECTORY_BYTES, "the directory")
-    blocks = directory.get("blocks")
+    directory = _read_part(store, key, pointer.get("directory"), MAX_DIRECTORY_BYTES, MAX_DIRECTORY_BYTES, "the directory", compressed=False)
     if directory.get("version") != VERSION:
         raise IndexUnusable(f"the resume index is version {directory.get('version')!r}, this dcpstore reads {VERSION}", damaged=False)
-    if not isinstance(blocks, list):
+    blocks, segments, needs = directory.get("blocks"), directory.get("segments"), directory.get("needs")
+    if not (isinstance(blocks, list) and isinstance(segments, list) and isinstance(needs, list)):
         raise IndexUnusable(f"{store.url_for(key)}: the directory is not one this dcpstore reads")
     if directory.get("save_id") != pointer["save_id"]:
         raise IndexUnusable(f"{store.url_for(key)}: the directory belongs to another save")
     if world_size is not None and directory.get("world_size") != world_size:
         raise IndexUnusable(f"saved by {directory.get('world_size')} ranks, loaded by {world_size}", damaged=False)
-    if len(blocks) != directory.get("world_size"):
-        raise IndexUnusable(f"{store.url_for(key)}: the directory lists {len(blocks)} blocks for {directory.get('world_size')} ranks")
+    if not len(blocks) == len(segments) == len(needs) == directory.get("world_size"):
+        raise IndexUnusable(
+            f"{store.url_for(key)}: the directory lists {len(blocks)} blocks, {len(segments)} segments and "
+            f"{len(needs)} needs for {directory.get('world_size')} ranks"
+        )
     return {**directory, "key": key}
 
 
-def _read_part(store, key: Any, bounds: Any, max_bytes: int, max_inflated: int, what: str) -> dict[str, Any]:
-    """The zlib JSON object at ``bounds`` (``[offset, length, sha256]``) of ``key``: one ranged GET, checked; raises ``IndexUnusable``.
+def read_values(store, directory: dict[str, Any]) -> bytes:
+    """Every writer's segment of the save (``directory``'s), with one ranged GET checked against its hash; raises ``IndexUnusable``.
+
+    What the coordinator reads once to send each rank the segments it needs
+    (``rank_entry``): 4 bytes an item, 32 MB at 4,096 x 2,000.
+    """
+    return _read_range(store, directory["key"], directory.get("values"), MAX_VALUES_BYTES, "the values")
+
+
+def _read_range(store, key: Any, bounds: Any, max_bytes: int, what: str) -> bytes:
+    """The bytes at ``bounds`` (``[offset, length, sha256, ...]``) of ``key``: one ranged GET, checked; raises ``IndexUnusable``."""
+    try:
+        offset, length, digest = bounds[:3]
+        if not (isinstance(key, str) and type(offset) is int and type(length) is int and 0 <= offset and 0 <= length <= max_bytes):
+            raise ValueError("bad bounds")
+    except (TypeError, ValueError) as e:
+        raise IndexUnusable(f"the resume index's entry for {what} is malformed ({e})") from None
+    if length == 0:
+        raw = b""
+    else:
+        try:
+            raw = store.get_range(key, offset, offset + length)
+        except ObjectNotFoundError:
+            raise IndexUnusable(f"{store.url_for(key)}: the resume index is missing") from None
+        except CorruptCheckpointError as e:
+            raise IndexUnusable(f"{store.url_for(key)}: {what}: the resume index is shorter than its directory says ({e})") from None
+    if hashlib.sha256(raw).hexdigest() != digest:
+        raise IndexUnusable(f"{store.url_for(key)}: {what} does not match its hash")
+    return raw
+
+
+def _read_part(store, key: Any, bounds: Any, max_bytes: int, max_inflated: int, what: str, compressed: bool = True) -> dict[str, Any]:
+    """The JSON object (zlib-compressed unless ``compressed`` is false) at ``bounds`` of ``key``: one ranged GET, checked; raises ``IndexUnusable``.
 
     The directory and each rank's block are read alike: bounds checked
     before the GET (at most ``max_bytes``), the bytes against their hash,
     the inflated text against ``max_inflated``.
     """
-    try:
-        offset, length, digest = bounds
-        if not (isinstance(key, str) and type(offset) is int and type(length) is int and 0 <= offset and 0 < length <= max_bytes):
-            raise ValueError("bad bounds")
-    except (TypeError, ValueError) as e:
-        raise IndexUnusable(f"the resume index's entry for {what} is malformed ({e})") from None
-    where = f"{store.url_for(key)}: {what}"
-    try:
-        raw = store.get_range(key, offset, offset + length)
-    except ObjectNotFoundError:
-        raise IndexUnusable(f"{store.url_for(key)}: the resume index is missing") from None
-    except CorruptCheckpointError as e:
-        raise IndexUnusable(f"{where}: the resume index is shorter than its directory says ({e})") from None
-    return _inflate(raw, digest, max_inflated, where)
+    if not (isinstance(bounds, list) and len(bounds) == 3 and type(bounds[1]) is int and bounds[1] > 0):
+        raise IndexUnusable(f"the resume index's entry for {what} is malformed ({reprlib.repr(bounds)})")
+    raw = _read_range(store, key, bounds, max_bytes, what)
+    return _inflate(raw, max_inflated, f"{store.url_for(key)}: {what}", compressed)
 
 
-def _inflate(raw: bytes, digest: str, limit: int, what: str) -> dict[str, Any]:
-    """A zlib JSON object that must hash to ``digest`` and inflate to at most ``limit`` bytes; raises ``IndexUnusable``."""
-    if hashlib.sha256(raw).hexdigest() != digest:
-        raise IndexUnusable(f"{what} does not match its hash")
+def _inflate(raw: bytes, limit: int, what: str, compressed: bool = True) -> dict[str, Any]:
+    """A (zlib) JSON object that must inflate to at most ``limit`` bytes; raises ``IndexUnusable``."""
     try:
-        inflater = zlib.decompressobj()
-        text = inflater.decompress(raw, limit)
-        if inflater.unconsumed_tail:
-            raise ValueError(f"inflates past {limit} bytes")
+        if compressed:
+            inflater = zlib.decompressobj()
+            text = inflater.decompress(raw, limit)
+            if inflater.unconsumed_tail:
+                raise ValueError(f"inflates past {limit} bytes")
+        else:
+            text = raw
         parsed = _parse_bounded(text)
     except (zlib.error, ValueError, RecursionError) as e:
         raise IndexUnusable(f"{what} does not parse ({e})") from None
@@ -390,10 +520,32 @@ def _parse_bounded(text: bytes) -> Any:
     return json.loads(text)
 
 
-def rank_entry(directory: dict[str, Any], rank: int) -> dict[str, Any]:
-    """What rank ``rank`` needs of the directory: its block's bounds and hash, not all W of them."""
+def rank_entry(directory: dict[str, Any], rank: int, values: bytes | None = None) -> dict[str, Any]:
+    """What rank ``rank`` needs of the directory: its block, and the segments of the writers its block reads values of.
+
+    With ``values`` (``read_values``, read once by the coordinator) the
+    entry carries those segments' bytes; without, their bounds and hashes,
+    for the rank to read (``read_share``).
+    """
+    try:
+        segments = {}
+        base = directory["values"][0]
+        for first, last in directory["needs"][rank]:
+            for writer in range(first, last + 1):
+                offset, length, digest, items, bytes_items = directory["segments"][writer]
+                segment = {"counts": (_int(items), _int(bytes_items))}
+                if values is None:
+                    segment["bounds"] = [offset, length, digest]
+                else:
+                    segment["data"] = values[offset - base : offset - base + length]
+                    if len(segment["data"]) != length:
+                        raise ValueError(f"the segment of rank {writer} lies outside the values")
+                segments[_int(writer)] = segment
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise IndexUnusable(f"{directory.get('key')}: the directory's entry for rank {rank} is malformed ({e})") from None
     return {"key": directory["key"], "save_id": directory["save_id"], "dcp_version": directory.get("dcp_version"),
-            "torch_version": directory.get("torch_version"), "rank": rank, "block": directory["blocks"][rank]}
+            "torch_version": directory.get("torch_version"), "rank": rank, "block": directory["blocks"][rank],
+            "checksums": directory.get("checksums") is True, "segments": segments}
 
 
 def read_block(store, entry: dict[str, Any]) -> dict[str, Any]:
@@ -401,6 +553,33 @@ def read_block(store, entry: dict[str, Any]) -> dict[str, Any]:
     return _read_part(
         store, entry.get("key"), entry.get("block"), MAX_BLOCK_BYTES, MAX_BLOCK_JSON, f"the block of rank {entry.get('rank')}"
     )
+
+
+def read_segments(store, entry: dict[str, Any]) -> dict[int, tuple[str, Any, Any]]:
+    """The segments ``entry`` names, decoded: ``writer -> (generation, crc32s, extents)``; raises ``IndexUnusable``.
+
+    A segment the entry does not carry is read with a ranged GET of its
+    own, checked against its hash.
+    """
+    out = {}
+    for writer, segment in entry["segments"].items():
+        data = segment.get("data")
+        if data is None:
+            data = _read_range(store, entry["key"], segment.get("bounds"), MAX_VALUES_BYTES, f"the segment of rank {writer}")
+        out[writer] = decode_segment(data, *segment["counts"], entry["checksums"])
+    return out
+
+
+def decode_segment(data: bytes, items: int, bytes_items: int, checksums: bool) -> tuple[str, Any, Any]:
+    """A writer's ``(generation, crc32s or None, [offset, length] pairs)``; raises ``IndexUnusable`` unless ``data`` is exactly that."""
+    expected = GENERATION_DIGITS + 4 * items * checksums + 16 * bytes_items
+    generation = data[:GENERATION_DIGITS].decode("ascii", "replace")
+    if len(data) != expected or not re.fullmatch("[0-9a-f]{%d}" % GENERATION_DIGITS, generation):
+        raise IndexUnusable(f"a segment of {len(data)} bytes is not one of {items} items and {bytes_items} bytes items")
+    crc_end = GENERATION_DIGITS + 4 * items * checksums
+    crcs = numpy.frombuffer(data, "<u4", count=items, offset=GENERATION_DIGITS).tolist() if checksums else None
+    extents = numpy.frombuffer(data, "<u8", count=2 * bytes_items, offset=crc_end).reshape(bytes_items, 2).tolist()
+    return generation, crcs, extents
 
 
 def check(store, metadata: Metadata, sizes: dict[str, int], deep: bool) -> list[str]:
@@ -415,13 +594,35 @@ def check(store, metadata: Metadata, sizes: dict[str, int], deep: bool) -> list[
         directory = read_directory(store, pointer, None)
     except (IndexUnusable, TypeError, KeyError) as e:
         return [f"{store.url_for('.metadata')}: resume index: {e}"]
+    if not deep:
+        return []
+    try:
+        values = read_values(store, directory)
+    except IndexUnusable as e:
+        return [str(e)]
+    stored = metadata.storage_data
+    try:
+        checksums = planner_data.read_checksums(metadata)
+    except CorruptCheckpointError:
+        checksums = {}  # verify reports the array itself
     problems = []
-    for rank in range(len(directory["blocks"]) if deep else 0):
+    for rank in range(len(directory["blocks"])):
         try:
-            read_block(store, rank_entry(directory, rank))
+            entry = rank_entry(directory, rank, values)
+            share = share_metadata(read_block(store, entry), entry, store.url_for(""), read_segments(store, entry)).metadata
         except IndexUnusable as e:
             problems.append(str(e))
+            continue
+        share_crcs = planner_data.read_checksums(share)
+        for index, info in share.storage_data.items():
+            if _where(stored.get(index)) != _where(info) or share_crcs.get(index) != checksums.get(index):
+                problems.append(f"{where}: the block of rank {rank} says {index.fqn!r} lies elsewhere than .metadata says")
+                break
     return problems
+
+
+def _where(info: Any) -> tuple | None:
+    return None if info is None else (info.relative_path, info.offset, info.length, getattr(info, "transform_descriptors", None))
 
 
 def read_share(store, entry: dict[str, Any], state_dict: dict[str, Any], url: str) -> Share:
@@ -430,7 +631,7 @@ def read_share(store, entry: dict[str, Any], state_dict: dict[str, Any], url: st
     ``state_dict``: as ``dcp.load`` gets it (``Stateful`` values already
     turned into their state dicts); flattened here as the load planner will.
     """
-    share = share_metadata(read_block(store, entry), entry, url)
+    share = share_metadata(read_block(store, entry), entry, url, read_segments(store, entry))
     flat, _ = flatten_state_dict(_flatten_sharded_tensors(state_dict))
     why = covers(share.metadata, flat)
     if why is not None:
@@ -447,8 +648,11 @@ class Share:
     final_plan: SavePlan | None
 
 
-def share_metadata(block: dict[str, Any], entry: dict[str, Any], url: str) -> Share:
-    """The ``Metadata`` of one rank's share, and its plans; raises ``IndexUnusable`` on anything malformed."""
+def share_metadata(block: dict[str, Any], entry: dict[str, Any], url: str, segments: dict[int, tuple[str, Any, Any]]) -> Share:
+    """The ``Metadata`` of one rank's share, and its plans; raises ``IndexUnusable`` on anything malformed.
+
+    ``segments``: the save's values of the writers the block reads (``read_segments``).
+    """
     try:
         fqn_mds: list[tuple[str, Any]] = [_fqn_metadata(row, entry.get("torch_version")) for row in block["fqns"]]
         sdm: dict[str, Any] = dict(fqn_mds)
@@ -457,12 +661,14 @@ def share_metadata(block: dict[str, Any], entry: dict[str, Any], url: str) -> Sh
         local_items: list[WriteItem] = []
         final_items: list[WriteItem] = []
         for row in block["items"]:
-            slot, position, offsets, sizes, flags, path, offset, length, transforms, crc = row
+            slot, position, offsets, sizes, flags, writer, path, offset, length, transforms, at, bytes_at = row
             fqn, md = fqn_mds[slot]
+            generation, crcs, extents = segments[writer]
             if isinstance(md, BytesStorageMetadata):
                 index = MetadataIndex(fqn)
                 item = WriteItem(index=index, type=WriteItemType.BYTE_IO)
                 kept = item
+                offset, length = extents[_int(bytes_at)]
             else:
                 chunk = ChunkStorageMetadata(offsets=torch.Size(_ints(offsets)), sizes=torch.Size(_ints(sizes)))
                 if len(chunk.offsets) != len(md.size) or len(chunk.sizes) != len(md.size):
@@ -475,14 +681,14 @@ def share_metadata(block: dict[str, Any], entry: dict[str, Any], url: str) -> Sh
                 data = TensorWriteData(chunk=chunk, properties=md.properties, size=md.size)
                 item = WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=kind, tensor_data=data)
                 kept = WriteItem(index=index, type=kind, tensor_data=data)
-            if not isinstance(path, str) or not (transforms is None or all(isinstance(t, str) for t in transforms)):
+            if not (isinstance(path, str) and path.count("*") == 1) or not (transforms is None or all(isinstance(t, str) for t in transforms)):
                 raise ValueError(f"storage of {fqn!r} is malformed")
-            info = _StorageInfo(path, _int(offset), _int(length))
+            info = _StorageInfo(path.replace("*", generation), _int(offset), _int(length))
             if transforms:
                 info.transform_descriptors = list(transforms)
             storage_data[index] = info
-            if crc is not None:
-                checksums[index] = _int(crc)
+            if crcs is not None:
+                checksums[index] = crcs[_int(at)]
             local_items.append(item)
             if flags & 1:
                 final_items.append(kept)

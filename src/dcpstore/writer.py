@@ -627,7 +627,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         # A reused (cached) Metadata already carries last save's extras: drop them.
         user_planner_data = planner_data.user_planner_data(metadata)
         metadata.planner_data = planner_data.embed(user_planner_data, extras)
-        pointer = self._write_resume_index(metadata, extras.get(planner_data.PLANS_KEY), checksums)
+        pointer = self._write_resume_index(metadata, extras.get(planner_data.PLANS_KEY), results)
         if pointer is not None:
             extras[planner_data.INDEX_KEY] = pointer
             metadata.planner_data = planner_data.embed(user_planner_data, extras)
@@ -664,7 +664,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self.commit(bytes(raw), self._template.names())
         return True
 
-    def _write_resume_index(self, metadata: Metadata, compact: dict | None, checksums: dict) -> dict | None:
+    def _write_resume_index(self, metadata: Metadata, compact: dict | None, results: list[list[WriteResult]]) -> dict | None:
         """PUT the resume index (see ``resume_index``) before ``.metadata``; its pointer, or ``None`` without one.
 
         Only for jobs of several ranks, with the compact plans, which say what each rank's local plan
@@ -675,16 +675,17 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         if compact is None or len(compact["ranks"]) < 2:
             return None  # a single rank resumes from .metadata, which it reads anyway
         try:
-            built = resume_index.build(metadata, compact, checksums, self.save_id)
+            layout = resume_index.layout_of(metadata, compact, results, self.checksums)
+            segments = layout.segments(metadata, results) if layout is not None else None
         except Exception as e:  # noqa: BLE001 - an optional cache: the commit goes on without it
             logger.warning("%s: could not build the resume index (%r); restarts will read .metadata", self.url, e)
             return None
-        if built is None:
+        if segments is None:
             logger.info("%s: the plans do not index this save's items; no resume index", self.url)
             return None
-        blob, pointer = built
+        parts, pointer = layout.assemble(segments, self.save_id)
         try:
-            self.store.put(pointer["key"], blob)
+            self.store.put(pointer["key"], b"".join(parts))
         except Exception as e:  # noqa: BLE001 - an optional cache: the commit goes on without it
             logger.warning("%s: could not write the resume index (%s); restarts will read .metadata", self.url, e)
             self._delete_quietly({pointer["key"]}, "resume index")
