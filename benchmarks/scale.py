@@ -23,6 +23,12 @@ final plans, and ``ObjectStoreWriter.finish`` runs with ``commit`` captured
   diff and the proof), ``slots`` and ``patch_s`` (writing the next save's
   values over them in place, beside ``finish_s`` building and pickling
   the same ``.metadata`` from objects);
+* the later saves of the structure (``steady_commits``): ``steady_s`` and
+  ``steady_rss`` (the coordinator's patched commit, from the ranks' values
+  as the tensor gather stacks them to the new ``.metadata`` and resume
+  index, and its peak RSS growth), and after a restart
+  ``resume_template_s``/``_rss`` (the template read back from the
+  committed bytes and the index's map) and ``first_after_resume_s``;
 * reading ``.metadata`` whole, as a fallback or ``dcp.load`` without
   ``state_dict=`` does: ``unpickle_s`` (C ``pickle.loads``, unsafe) and
   ``safe_read_s`` (``safe_pickle.loads_metadata``, bounded; timed up to
@@ -130,7 +136,12 @@ def write_results(central: list[SavePlan]) -> list[list[ChecksummedWriteResult]]
         for n, item in enumerate(plan.items):
             length = (item.tensor_storage_size() or 8) + 1100  # torch.save framing
             path = paths[n % 4]
-            out.append(ChecksummedWriteResult(item.index, length, _StorageInfo(path, offset, length), crc32=zlib.crc32(path.encode())))
+            out.append(
+                ChecksummedWriteResult(
+                    item.index, length, _StorageInfo(path, offset, length), crc32=zlib.crc32(path.encode()),
+                    bytes_item=item.type == WriteItemType.BYTE_IO,
+                )
+            )
             offset += length
         results.append(out)
     return results
@@ -160,6 +171,7 @@ def torch_metadata_bytes(metadata: Metadata, results) -> int:
 def finish(writer_plans, metadata: Metadata, results, *, checksums: bool = True) -> tuple[_Captured, float]:
     """The coordinator's ``finish()``, timed; the writer holds the ``.metadata`` bytes and its store the index."""
     writer = _Captured("memory://dcpstore-scale-bench", checksums=checksums)
+    writer.save_id = SIMULATED_NONCE  # an AsyncCheckpointer's nonce: its shard names' generation
     writer.remember_local_plans(writer_plans)
     writer.commit_record = {"sequence": 5, "parent": 4}  # what an AsyncCheckpointer's commit records
     if writer_plans is None:
@@ -184,6 +196,46 @@ def next_values(template: metadata_template.Template) -> list:
         else:
             out.append(value)
     return out
+
+
+def steady_values(template: metadata_template.CommitTemplate, seed: int = 0) -> numpy.ndarray:
+    """What the ranks send the coordinator in a patched commit, as the gather stacks it: per rank its count, its crc32s, its bytes extents."""
+    slots = template.template.slots
+    extents = iter([v for slot, v in zip(slots, template.template.values) if slot.role in ("bytes.offset", "bytes.length")])
+    widths = [template.width(r) for r in range(len(template.counts))]
+    out = numpy.zeros((len(widths), 1 + max(widths)), numpy.int64)
+    rng = numpy.random.default_rng(seed)
+    for rank, (items, bytes_items) in enumerate(template.counts):
+        k = items * template.checksums
+        out[rank, 0] = widths[rank]
+        out[rank, 1 : 1 + k] = rng.integers(0, 1 << 32, k)
+        out[rank, 1 + k : 1 + k + 2 * bytes_items] = [next(extents) for _ in range(2 * bytes_items)]
+    return out
+
+
+def next_save(writer: ObjectStoreWriter, nonce: str) -> None:
+    """The writer as the coordinator's next save finds it: the save's nonce, the next commit record."""
+    writer.save_id = nonce
+    writer.commit_record = {**writer.commit_record, "sequence": writer.commit_record["sequence"] + 1}
+
+
+class PeakRSS:
+    """Peak RSS growth of a block, in this process: the kernel's high-water mark, reset first (``/proc/self/clear_refs``)."""
+
+    @staticmethod
+    def _status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+    def __enter__(self) -> "PeakRSS":
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.before = self._status("VmRSS:")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.growth = self._status("VmHWM:") - self.before
 
 
 def finish_bytes(writer_plans, metadata: Metadata, results, *, checksums: bool = True) -> tuple[bytes, float]:
@@ -244,6 +296,55 @@ def _rss_child(kind: str, path: str) -> int:
     return 0
 
 
+def steady_commits(captured: ObjectStoreWriter, world_size: int) -> dict:
+    """The coordinator's later saves of the structure: a patched commit, and the first one after a restart.
+
+    ``captured`` has just committed the structure's first save in full (and
+    kept its template).  The steady-state save: from the ranks' values, as
+    the tensor gather stacks them, to the new ``.metadata`` and resume index
+    (``commit_patched``).  After a restart: the template read back from the
+    committed bytes and the index (``read_layout``, ``from_stored``; the
+    resume's reads come from memory), then that save's patched commit.
+    Object collectives in both: none (counted with real gloo ranks in
+    tests/test_metadata_template.py and tests/test_resume_index.py).
+    """
+    store = captured.store
+    keys = [captured._index_key]
+    next_save(captured, SIMULATED_NONCE[::-1])
+    values = steady_values(captured._template)
+    with PeakRSS() as peak:
+        t0 = time.perf_counter()
+        assert captured.commit_patched(values)
+        steady_s = time.perf_counter() - t0
+    out = {"steady_s": steady_s, "steady_rss": peak.growth, "values_bytes": values.nbytes}
+    if captured._index_key is None:
+        return out
+    keys.append(captured._index_key)
+    offset, length, digest = captured._index_tags[resume_index.INDEX_TAG].split(":")
+    pointer = {"key": captured._index_key, "save_id": captured.save_id, "directory": [int(offset), int(length), digest]}
+    committed = captured.raw
+    with PeakRSS() as peak:
+        t0 = time.perf_counter()
+        directory = resume_index.read_directory(store, pointer, world_size)
+        layout = resume_index.read_layout(store, directory)
+        resumed = metadata_template.CommitTemplate.from_stored(
+            committed, layout.template, object(), layout.counts, layout.checksums, layout, layout.template_of
+        )
+        resume_s = time.perf_counter() - t0
+    out.update(resume_template_s=resume_s, resume_template_rss=peak.growth)
+    captured.use_template(resumed)
+    next_save(captured, "0f1e2d3c4b5a6978")
+    values = steady_values(resumed, seed=1)
+    with PeakRSS() as peak:
+        t0 = time.perf_counter()
+        assert captured.commit_patched(values)
+        first_s = time.perf_counter() - t0
+    out.update(first_after_resume_s=first_s, first_after_resume_rss=peak.growth)
+    keys.append(captured._index_key)
+    store.delete(keys[1:])
+    return out
+
+
 def measure(world_size: int, items_per_rank: int, *, repeat: int, safe_read_max: int) -> dict:
     plans = simulate_plans(world_size, items_per_rank)
     t0 = time.perf_counter()
@@ -257,11 +358,13 @@ def measure(world_size: int, items_per_rank: int, *, repeat: int, safe_read_max:
     md = captured.metadata
     template = metadata_template.build(md, metadata_template.dcpstore_slots(md))
     template_build_s = time.perf_counter() - t0
-    assert template is not None and template.raw == raw
+    assert template is not None
     values = next_values(template)
     patch_s = best_of(lambda: template.patch(values), repeat)
     slots = len(template.slots)
-    del template, md, captured.metadata
+    del template
+    steady = steady_commits(captured, world_size)
+    del md, captured.metadata
     del plans, central, results
     loaded = pickle.loads(raw)
     unpickle_s = best_of(lambda: pickle.loads(raw), repeat if len(raw) <= safe_read_max else 1)
@@ -278,6 +381,7 @@ def measure(world_size: int, items_per_rank: int, *, repeat: int, safe_read_max:
         "template_build_s": template_build_s,
         "slots": slots,
         "patch_s": patch_s,
+        **steady,
     }
     if world_size >= 2:
         store = captured.store
@@ -320,6 +424,11 @@ COLUMNS = [
     ("template s", "template_build_s", "{:.2f}"),
     ("slots", "slots", "{:,}"),
     ("patch s", "patch_s", "{:.3f}"),
+    ("steady save s", "steady_s", "{:.2f}"),
+    ("steady RSS", "steady_rss", "{:,}"),
+    ("resume: template s", "resume_template_s", "{:.2f}"),
+    ("resume: template RSS", "resume_template_rss", "{:,}"),
+    ("first save after resume s", "first_after_resume_s", "{:.2f}"),
     ("C unpickle s", "unpickle_s", "{:.2f}"),
     ("safe read s", "safe_read_s", "{:.2f}"),
     ("safe / C", "safe_vs_c", "{:.1f}x"),
@@ -345,7 +454,8 @@ def extrapolate(rows: list[dict], world_size: int = 4096, items_per_rank: int = 
     base = max((r for r in rows if r["items_per_rank"] == items_per_rank), key=lambda r: r["world_size"])
     scale = world_size / base["world_size"]
     out = {"from_world_size": base["world_size"], "world_size": world_size, "items_per_rank": items_per_rank}
-    for key in ("metadata_bytes", "torch_bytes", "unpickle_s", "global_step_s", "finish_s", "template_build_s", "patch_s"):
+    for key in ("metadata_bytes", "torch_bytes", "unpickle_s", "global_step_s", "finish_s", "template_build_s", "patch_s",
+                "steady_s", "steady_rss", "resume_template_s", "resume_template_rss", "first_after_resume_s"):
         out[key] = base[key] * scale
     safe = [r for r in rows if r["items_per_rank"] == items_per_rank and "safe_vs_c" in r]
     if safe:  # the ratio of the largest .metadata timed both ways

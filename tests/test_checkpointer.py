@@ -11,6 +11,7 @@ import dcpstore
 from conftest import object_exists, read_metadata_raw
 from dist_utils import run_ranks
 from workers import (
+    OBJECT_COLLECTIVES,
     latest_step_when_the_coordinators_listing_fails,
     checkpointer_keep_last,
     checkpointer_killed_mid_upload,
@@ -56,10 +57,13 @@ def test_plans_are_exchanged_once_then_reused(world_size, planning, plan_collect
         counts = [c.get(plan_collective, 0) for c, _ in saves]
         assert counts == [1, 0, 0], (rank, saves)
         assert [reused for _, reused in saves] == [False, True, True]
-        # One flag all-reduce per save decides reuse.
-        assert [c.get("all_reduce", 0) for c, _ in saves] == [1, 1, 1]
-        if planning == "central":  # the other gather is the write results'
-            assert [c.get("gather_object", 0) for c, _ in saves] == [2, 1, 1]
+        # One flag all-reduce per save decides reuse, one how to commit.
+        assert [c.get("all_reduce", 0) for c, _ in saves] == [2, 2, 2]
+        # The write results travel as objects until a save can patch the last full commit's .metadata
+        # (a job's first save, with no parent, is no template): from then on, no object collective.
+        assert [c.get("gather_object", 0) for c, _ in saves] == ([2, 1, 0] if planning == "central" else [1, 1, 0])
+        assert [c.get("broadcast_object_list", 0) for c, _ in saves] == [1, 1, 0]
+        assert sum(saves[2][0].get(name, 0) for name in OBJECT_COLLECTIVES) == 0
     names, tensors = {}, {}
     for step in (10, 20, 30):
         assert object_exists(s3, bucket, f"run/step_{step:08d}/.metadata")
@@ -99,7 +103,8 @@ def test_resume_reuses_persisted_plans_and_falls_back_on_change(world_size, buck
     for step, loaded, counts, reused, expected, reloaded in results.values():
         assert step == 30
         assert_same(loaded, final)  # resumed bit-exact from the latest step
-        assert counts.get("scatter_object_list", 0) == 0 and counts.get("gather_object", 0) == 1
+        # No planning, and the commit patched the resumed .metadata: no object collective at all.
+        assert sum(counts.get(name, 0) for name in OBJECT_COLLECTIVES) == 0, counts
         assert reused
         assert_same(reloaded, expected)  # what the first save after resume wrote loads bit-exact
 

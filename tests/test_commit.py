@@ -167,9 +167,11 @@ def test_retention_that_outlasts_the_peers_wait_leaves_the_group_in_step(bucket,
     assert object_exists(s3, bucket, "run/step_00000002/.metadata")
 
 
+@pytest.mark.parametrize("step", [1, 3], ids=["full-commit", "patched-commit"])
 @pytest.mark.parametrize("after_put", [False, True], ids=["dies-before-the-put", "dies-after-it-landed"])
-def test_time_to_an_outcome_when_the_coordinator_dies_at_the_commit(bucket, s3, after_put):
-    """3 gloo ranks; rank 0 dies at the .metadata PUT.  The others report what storage shows, within the bound.
+def test_time_to_an_outcome_when_the_coordinator_dies_at_the_commit(bucket, s3, after_put, step):
+    """3 gloo ranks; rank 0 dies at the .metadata PUT of step 1, or of step 3 (a patched commit: no object collective).
+    The others report what storage shows, within the bound.
 
     The bound is the README's: the collective timeout (20 s in the worker;
     a socket that closes sooner is settled as a timeout, since the
@@ -183,20 +185,21 @@ def test_time_to_an_outcome_when_the_coordinator_dies_at_the_commit(bucket, s3, 
     window = 2.0
     root = f"s3://{bucket}/run"
     results = run_ranks(
-        checkpointer_coordinator_dies_at_commit, 3, root, FAST, window, after_put, expect_killed=(0,), timeout=240
+        checkpointer_coordinator_dies_at_commit, 3, root, FAST, window, after_put, step, expect_killed=(0,), timeout=240
     )
     landing = FAST.connect_timeout + FAST.read_timeout + FAST.multipart_threshold / FAST.min_send_rate + 1
     bound = (20 + window + landing + 1 + 15) * deadline_scale()
     for rank in (1, 2):
-        outcome, seconds = results[rank]
+        outcome, seconds, object_collectives = results[rank]
         assert seconds < bound, (rank, seconds, bound)
+        assert (object_collectives == 0) == (step == 3), (rank, object_collectives)
         if after_put:
             assert outcome == "committed"
         else:
             assert outcome.startswith("CheckpointSaveError") and "storage shows no .metadata of this save" in outcome
-    assert object_exists(s3, bucket, "run/step_00000001/.metadata") == after_put
+    assert object_exists(s3, bucket, f"run/step_{step:08d}/.metadata") == after_put
     if after_put:
-        for r in run_ranks(load_sharded, 2, f"{root}/step_00000001", "dcpstore").values():
+        for r in run_ranks(load_sharded, 2, f"{root}/step_{step:08d}", "dcpstore").values():
             assert_loaded(r)
 
 

@@ -55,7 +55,7 @@ def test_a_patched_template_is_byte_for_byte_the_pickle_of_the_same_content():
     roles = {slot.role for slot in template.slots}
     # The save id is one str object, met first in the index pointer: one slot for every place that holds it.
     assert {"name", "crc32", "commit.sequence", "commit.parent", "bytes.offset", "bytes.length", "checkpoint_id",
-            "index.key", "index.save_id", "index.directory.2"} <= roles
+            "index.key", "index.save_id", "index.directory", "index.size"} <= roles
     assert len(template.roles("name")) == len({id(info.relative_path) for info in md.storage_data.values()})
     values = _next_values(template, md)
     for v, new in zip(found, values):
@@ -186,3 +186,35 @@ def test_a_patched_commit_that_loses_the_race_for_its_step_is_refused_and_delete
     out = {"w": torch.zeros(64), "optim": {"step": -1}}
     dcp.load(out, storage_reader=dcpstore.ObjectStoreReader(f"{root}/step_00000003"), no_dist=True)
     assert torch.equal(out["w"], torch.ones(64)) and out["optim"] == {"step": 9}
+
+
+# -- several ranks: values in one tensor collective, no object collective --------------------
+
+
+def test_four_ranks_patch_every_save_of_a_structure_without_an_object_collective(bucket, s3):
+    """4 gloo ranks x 1,500 DTensors: from the third save on, the commit sends tensors only, and stock torch loads every step.
+
+    A bytes item's pickled size changes every save; rank 1 widens a
+    tensor of its own at step 4 (planned anew, committed in full), and step 5 is
+    patched again.  ``dcpstore verify --deep`` checks every rank's resume
+    index share against each ``.metadata``.
+    """
+    from conftest import read_metadata_raw
+    from dist_utils import run_ranks
+    from workers import checkpointer_patched_saves
+
+    from dcpstore.cli import main
+
+    root = f"s3://{bucket}/run"
+    results = run_ranks(checkpointer_patched_saves, 4, root, 1500, (1, 2, 3, 4, 5), 4, timeout=600)
+    for rank, by_step in results.items():
+        objects = [by_step[s][0] for s in (1, 2, 3, 4, 5)]
+        assert objects[2] == 0 and objects[4] == 0, (rank, objects)  # steady: tensors only
+        assert objects[0] > 0 and objects[1] > 0 and objects[3] > 0, (rank, objects)  # first, no-parent template, new shape
+        assert [by_step[s][1] for s in (1, 2, 3, 4, 5)] == [False, True, True, False, True]
+        assert all(by_step[s][3] for s in by_step), rank  # stock FsspecReader, bit-exact, every step
+    assert [results[0][s][2] for s in (1, 2, 3, 4, 5)] == [False, False, True, False, True]
+    for step in (3, 5):
+        metadata = read_metadata_raw(s3, bucket, f"run/step_{step:08d}")
+        assert len(metadata.storage_data) == 4 * 1500 + 4 + 2
+        assert main(["verify", f"{root}/step_{step:08d}", "--deep"]) == 0

@@ -21,17 +21,16 @@ from torch.distributed.checkpoint.storage import WriteResult
 from conftest import read_metadata_raw
 from dist_utils import run_ranks
 from test_checkpointer import assert_same
-from workers import checkpointer_resume_logged, checkpointer_resume_then_save, checkpointer_three_saves, load_with_state_dict
+from workers import OBJECT_COLLECTIVES, checkpointer_resume_logged, checkpointer_resume_then_save, checkpointer_three_saves, load_with_state_dict
 
 from dcpstore import planner_data, resume_index
 from dcpstore.plan_cache import PlanCache, describe_source
 from dcpstore.cli import main
-from dcpstore.planner_data import INDEX_KEY, split
 
 
 def _index(s3, bucket, prefix):
     """The index pointer ``.metadata`` holds, and the directory it names (read straight from the object)."""
-    pointer = split(read_metadata_raw(s3, bucket, prefix).planner_data)[1][INDEX_KEY]
+    pointer = resume_index.pointer_of(read_metadata_raw(s3, bucket, prefix))
     offset, length, _ = pointer["directory"]
     body = s3.get_object(Bucket=bucket, Key=f"{prefix}/{pointer['key']}", Range=f"bytes={offset}-{offset + length - 1}")
     return pointer, json.loads(body["Body"].read())
@@ -64,16 +63,21 @@ def test_each_rank_resumes_from_its_own_block_with_one_ranged_get(world_size, bu
     # for the next commit, on a thread of its own after the load: no rank parses .metadata to resume.
     assert [m for m, p in proxy.requests if p.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "HEAD", "GET"]
     # The coordinator GETs the directory and the save's values (sent on with each rank's entry); every rank,
-    # the coordinator too, exactly its block: one ranged GET each.
+    # the coordinator too, exactly its block: one ranged GET each.  Then, off the training thread, the
+    # coordinator reads what it patches the next commit with: the commit template's map and all the blocks.
     offset, length, _ = pointer["directory"]
     values_start, values_length, _ = directory["values"]
+    template_start, template_length, _ = directory["template"]
     blocks = [(offset, offset + length), (values_start, values_start + values_length)]
     blocks += [(start, start + size) for start, size, _ in directory["blocks"]]
+    blocks += [(template_start, template_start + template_length), (0, sum(size for _, size, _ in directory["blocks"]))]
     assert sorted(_index_gets(proxy, "step_00000030")) == sorted(blocks)
     for rank, ((step, loaded, counts, reused, expected, reloaded), logged) in results.items():
         assert step == 30
         assert_same(loaded, final)
         assert reused and counts.get("scatter_object_list", 0) == 0  # primed from the block: no planning
+        # and the commit patched the resumed .metadata: no object collective at all
+        assert sum(counts.get(name, 0) for name in OBJECT_COLLECTIVES) == 0, counts
         assert_same(reloaded, expected)
         assert not [r for r in logged if r.startswith("WARNING")], (rank, logged)
 

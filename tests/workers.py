@@ -114,10 +114,13 @@ def save_with_failing_rank(rank, world_size, url, proxy_endpoint):
 # -- AsyncCheckpointer ----------------------------------------------------------------------
 
 
+OBJECT_COLLECTIVES = ("gather_object", "scatter_object_list", "all_gather_object", "broadcast_object_list")
+
+
 def count_collectives() -> collections.Counter:
-    """Count the object collectives (and all_reduce) every later call makes."""
+    """Count the object collectives (and the tensor ones: all_reduce, gather, broadcast) every later call makes."""
     counts: collections.Counter = collections.Counter()
-    for name in ("gather_object", "scatter_object_list", "all_gather_object", "all_reduce", "broadcast_object_list"):
+    for name in (*OBJECT_COLLECTIVES, "all_reduce", "gather", "broadcast"):
         original = getattr(dist, name)
 
         def wrapper(*args, _original=original, _name=name, **kwargs):
@@ -371,16 +374,21 @@ def checkpointer_slow_retention(rank, world_size, root, proxy_endpoint, transfer
     return outcomes
 
 
-def checkpointer_coordinator_dies_at_commit(rank, world_size, root, transfer, commit_window, after_put):
-    """Rank 0 dies at its ``.metadata`` PUT (before it is sent, or once it landed); the others report.
+def checkpointer_coordinator_dies_at_commit(rank, world_size, root, transfer, commit_window, after_put, step=1):
+    """Rank 0 dies at its ``.metadata`` PUT of ``step`` (before it is sent, or once it landed); the others report.
 
-    Returns ``(outcome, seconds from the save to the outcome)`` on the ranks that live.
+    Steps before ``step`` commit first (from the third save of a structure on, a commit is patched).
+    Returns ``(outcome, seconds from the save to the outcome, object collectives of that save)`` on the ranks that live.
     """
     import time
 
+    counts = count_collectives()
     ckpt = dcpstore.AsyncCheckpointer(
         root, transfer=transfer, commit_window=commit_window, collective_timeout=datetime.timedelta(seconds=20)
     )
+    for earlier in range(1, step):
+        ckpt.save(sharded_state_dict(world_size, 0), step=earlier).result()
+    counts.clear()
     if rank == 0:
         commit = ckpt._writer.commit
 
@@ -391,13 +399,13 @@ def checkpointer_coordinator_dies_at_commit(rank, world_size, root, transfer, co
 
         ckpt._writer.commit = commit_then_die
     t0 = time.monotonic()
-    handle = ckpt.save(sharded_state_dict(world_size, 0), step=1)
+    handle = ckpt.save(sharded_state_dict(world_size, 0), step=step)
     try:
         handle.result()
         outcome = "committed"
     except dcpstore.CheckpointSaveError as e:
         outcome = f"{type(e).__name__}: {e}"
-    return outcome, time.monotonic() - t0
+    return outcome, time.monotonic() - t0, sum(counts.get(name, 0) for name in OBJECT_COLLECTIVES)
 
 
 def checkpointer_resume_logged(rank, world_size, root, endpoint=None, change_structure=False):
@@ -474,3 +482,49 @@ def latest_step_when_the_coordinators_listing_fails(rank, world_size, root, prox
     finally:
         ckpt.close()
     return None
+
+
+def many_items_state_dict(world_size: int, rank: int, items: int, step: int, wider_rank: int | None = None) -> dict:
+    """``items`` DTensor shards a rank (FSDP's many parameters), a tensor of the rank's own, a replicated tensor, and a
+    bytes item whose pickled size changes every save.
+
+    ``wider_rank``: that rank's own tensor has one more row (a new shape: planned anew).
+    """
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    params = {
+        f"layer{i}.weight": DTensor.from_local(torch.randn(2, 3, generator=g), mesh, [Shard(0)], run_check=False)
+        for i in range(items)
+    }
+    return {
+        "model": params,
+        f"rank{rank}": torch.randn(3 if rank == wider_rank else 2, 5, generator=g),
+        "replicated": torch.full((4,), float(step)),
+        "optim": {"step": 7 ** step},  # a pickled size of its own every save
+    }
+
+
+def checkpointer_patched_saves(rank, world_size, root, items, steps, wider_from):
+    """Save ``steps`` with ``items`` DTensors a rank, counting each save's collectives; rank 1 widens a parameter from step ``wider_from``.
+
+    Returns per step: (object collectives of the save, plan reused, .metadata patched (coordinator), what every rank loads
+    back with stock ``FsspecReader`` equals what it saved).
+    """
+    counts = count_collectives()
+    out = {}
+    with dcpstore.AsyncCheckpointer(root) as ckpt:
+        for step in steps:
+            sd = many_items_state_dict(world_size, rank, items, step, wider_rank=1 if step >= wider_from else None)
+            counts.clear()
+            ckpt.save(sd, step=step)
+            ckpt.wait()
+            objects = sum(counts.get(name, 0) for name in OBJECT_COLLECTIVES)
+            stats = ckpt.last_stats
+            back = many_items_state_dict(world_size, rank, items, 0, wider_rank=1 if step >= wider_from else None)
+            dcp.load(back, storage_reader=FsspecReader(ckpt.step_url(step)))
+            same = all(torch.equal(back["model"][k].to_local(), v.to_local()) for k, v in sd["model"].items())
+            same = same and all(torch.equal(back[k], sd[k]) for k in (f"rank{rank}", "replicated")) and back["optim"] == sd["optim"]
+            out[step] = (objects, stats.plan_reused, stats.metadata_patched, same)
+    return out

@@ -9,7 +9,13 @@ background thread per checkpointer, in the same order on every rank:
    (gather + scatter for central planning, one all-gather for decentralized
    planning);
 2. upload: the rank's shard objects, through the store's multipart path;
-3. commit: write results are gathered on the coordinator, which writes
+3. commit: one all-reduce says whether every rank succeeded and whether
+   every rank wrote exactly what it wrote for the coordinator's commit
+   template (see ``metadata_template``).  If so, each rank's per-save values
+   (crc32s, bytes items' extents) go to the coordinator as one tensor, and
+   it patches the last ``.metadata``'s bytes: no object collective, nothing
+   per item in Python.  Otherwise the write results are gathered as objects
+   and ``.metadata`` is built in full.  Either way the coordinator writes
    ``.metadata`` as the last object (conditionally, see ``commit``) only if
    every rank succeeded, then tells every rank the outcome storage shows.
    A failure anywhere leaves no ``.metadata``, and every rank raises
@@ -48,6 +54,7 @@ import time
 import warnings
 from typing import Any, Callable
 
+import numpy
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -70,7 +77,8 @@ from .errors import (
     ObjectNotFoundError,
 )
 from .layout import METADATA_KEY, StepNaming, committed_steps, delete_committed_step
-from .plan_cache import CachedPlan, PlanCache, describe_source
+from .metadata_template import CommitTemplate, Unpatchable
+from .plan_cache import CachedPlan, PlanCache, UnparsedMetadata, describe_source
 from .reader import ObjectStoreReader, check_state_dict, no_metadata_error, parse_metadata, read_metadata_bytes
 from .staging import StagedItems, StagingPool
 from .steps import CommitOrder, CommitRecord, check_grace, plan_gc
@@ -190,6 +198,22 @@ class _Collectives:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return t.tolist()
 
+    def gather_tensor(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """``tensor`` of every rank (one length), stacked on the coordinator: W rows; ``None`` elsewhere."""
+        if not self.enabled:
+            return tensor.unsqueeze(0)
+        out = torch.empty((self.world_size, tensor.numel()), dtype=tensor.dtype) if self.is_coordinator else None
+        dist.gather(tensor, list(out.unbind(0)) if out is not None else None, dst=self.coordinator, group=self.group)
+        return out
+
+    def broadcast_code(self, code: int) -> int:
+        """The coordinator's ``code``, on every rank: one int64."""
+        if not self.enabled:
+            return code
+        t = torch.tensor([code], dtype=torch.int64)
+        dist.broadcast(t, src=self.coordinator, group=self.group)
+        return int(t.item())
+
     def gather(self, obj: Any) -> list[Any] | None:
         if not self.enabled:
             return [obj]
@@ -217,6 +241,15 @@ class _Collectives:
         box = [obj]
         dist.broadcast_object_list(box, src=self.coordinator, group=self.group)
         return box[0]
+
+
+_FULL = "full"  # the coordinator's verdict that a patched commit cannot be: every rank commits in full
+_VERDICTS = (None, Outcome.FAILED, Outcome.REFUSED, Outcome.UNKNOWN, _FULL)  # a verdict as a tensor: its index
+
+
+def _verdict_code(verdict) -> int:
+    """``_VERDICTS``' index of a verdict (``None``, ``_FULL`` or ``(Outcome, failures)``); peers send 0."""
+    return _VERDICTS.index(verdict if verdict is None or verdict is _FULL else verdict[0])
 
 
 class _Failure:
@@ -628,15 +661,105 @@ class AsyncCheckpointer:
         return central_plan, metadata
 
     def _commit(self, job: _SaveJob, writer: ObjectStoreWriter, metadata, results, error) -> None:
-        """Gather the write results, commit on the coordinator, and give every rank the outcome storage shows.
+        """Agree on how to commit, commit on the coordinator, and give every rank the outcome storage shows.
+
+        One all-reduce decides the way: whether every upload succeeded, and
+        whether every rank's write results fit the coordinator's template
+        (the same template id, and on each rank the layout it wrote for it;
+        see ``metadata_template``).  Then either a patched commit (each
+        rank's values in one tensor to the coordinator, the verdict back as
+        a tensor: no object collective, nothing per item on the coordinator
+        but bytes), or the full one (write results gathered as objects,
+        ``.metadata`` built and pickled).  A failed upload anywhere: every
+        rank hears every failure, and no ``.metadata`` is written.
+
+        Shards are deleted only when no ``.metadata`` can name them: each
+        rank its own after a failed commit, the coordinator all of them after
+        a refused one (once, in ``ObjectStoreWriter.commit``), nobody after
+        an unknown one.
+        """
+        vote = writer.patch_vote(results) if error is None else None
+        template_id, values = vote if vote is not None else (0, numpy.zeros(0, numpy.int64))
+        if self._coll.is_coordinator and template_id != writer.template_id(metadata):
+            template_id = 0  # this rank wrote as the template says, but the template is of another save
+        if self._coll.is_coordinator and self._coll.enabled:
+            # The coordinator's last moment to start a patched .metadata PUT: no
+            # peer leaves this all-reduce before every rank entered it, so a peer
+            # stops waiting (in the gather or the verdict after it) no sooner
+            # than a group timeout from now.  The full path sets its own.
+            writer.put_deadline = time.monotonic() + self._coll.timeout_s(self.collective_timeout)
+        try:
+            all_ok, lowest, neg_highest, neg_width = self._coll.all_min(
+                [int(error is None), template_id, -template_id, -len(values)]
+            )
+        except Exception as e:  # noqa: BLE001 - this rank sent nothing a commit needs: none can happen
+            if results:
+                writer.delete_shards(results)
+            raise CheckpointSaveError(job.url, {self.rank: f"agreeing on the commit failed: {_describe(e)}"}) from (error or e)
+        if not all_ok:
+            if results:
+                writer.delete_shards(results)  # no rank sends its results: nothing is committed
+            self._raise_everywhere(job.url, error)
+        verdict, settled = None, False
+        patch = lowest == -neg_highest > 0
+        if patch:
+            verdict, settled = self._commit_patched(job, writer, values, 1 - neg_width)
+        if not patch or verdict is _FULL:
+            verdict, settled = self._commit_full(job, writer, metadata, results)
+        if verdict is None:
+            self._parent = job.step
+            return
+        if settled:
+            results = None  # storage's answer is final, but a rank that settled deletes nothing: gc reclaims
+        outcome, failures = verdict
+        if outcome is Outcome.UNKNOWN:
+            raise CommitOutcomeUnknownError(job.url, failures) from error
+        if outcome is Outcome.FAILED and results:
+            writer.delete_shards(results)  # this rank's own: no .metadata names them
+        raise CheckpointSaveError(job.url, failures) from error
+
+    def _commit_patched(self, job: _SaveJob, writer: ObjectStoreWriter, values: numpy.ndarray, width: int):
+        """A patched commit: each rank's values to the coordinator as one tensor, the verdict back as one; ``_FULL`` to commit in full instead.
+
+        Every rank pads its row to ``width`` (the longest, from the
+        all-reduce); the coordinator receives W rows.  Only a verdict other
+        than committed travels with its messages, as an object.
+        """
+        row = numpy.zeros(width, numpy.int64)
+        row[0] = len(values)
+        row[1 : 1 + len(values)] = values
+        entered = time.monotonic()
+        gathered = gather_error = verdict = None
+        try:
+            gathered = self._coll.gather_tensor(torch.from_numpy(row))
+        except Exception as e:  # noqa: BLE001 - a peer died; the verdict below still tells the rest
+            gather_error = e
+        if self._coll.is_coordinator:
+            verdict = self._decide(job, writer, gather_error, lambda: writer.commit_patched(gathered.numpy()))
+        try:
+            kind = _VERDICTS[self._coll.broadcast_code(_verdict_code(verdict))]
+        except Exception as e:  # noqa: BLE001 - storage decides, unless this rank decided
+            if self._coll.is_coordinator:
+                why = f"sending the verdict failed: {_describe(e)}"
+                return (verdict if verdict is not _FULL else (Outcome.FAILED, {self.rank: why})), False
+            return self._settle_without_coordinator(job, writer, e, entered), True
+        if kind is None or kind is _FULL:
+            return kind, False
+        try:  # a verdict other than committed: its messages, once
+            return self._coll.broadcast(verdict), False
+        except Exception:  # noqa: BLE001 - the outcome is known; only the coordinator's words are lost
+            return (verdict if self._coll.is_coordinator else (kind, {0: f"the commit of .metadata: {kind.value}"})), False
+
+    def _commit_full(self, job: _SaveJob, writer: ObjectStoreWriter, metadata, results):
+        """The full commit: the write results gathered as objects, ``.metadata`` built by ``finish``, the verdict broadcast.
 
         The coordinator's verdict travels as ``None`` (committed) or
-        ``(Outcome, failures)``.  Shards are deleted only when no
-        ``.metadata`` can name them: each rank its own after a failed
-        commit, the coordinator all of them after a refused one (once, in
-        ``ObjectStoreWriter.commit``), nobody after an unknown one.
+        ``(Outcome, failures)``.
         """
-        verdict: tuple[Outcome, dict[int, str]] | None = None
+        writer.remember_written(results)  # what the coordinator's template of this save, if any, is made of
+        if isinstance(metadata, UnparsedMetadata) and self._coll.is_coordinator:
+            metadata = self._parse_global_state(metadata)
+        verdict = None
         gather_error = None
         if self._coll.is_coordinator and self._coll.enabled:
             # The coordinator's last moment to start the .metadata PUT.  A peer
@@ -646,41 +769,45 @@ class AsyncCheckpointer:
             # all_gather of the sizes), so not before now.  Its PUT then lands
             # before the peer's settling ends (see _settle_without_coordinator).
             writer.put_deadline = time.monotonic() + self._coll.timeout_s(self.collective_timeout)
+        gathered = None
         try:
-            gathered = self._coll.gather(_Failure(_describe(error)) if error is not None else results)
+            gathered = self._coll.gather(results)
         except Exception as e:  # noqa: BLE001 - a peer died; the broadcast below still tells the rest
             gather_error = e
         if self._coll.is_coordinator:
-            verdict = self._decide(job, writer, metadata, gathered if gather_error is None else None, gather_error)
+            verdict = self._decide(job, writer, gather_error, lambda: writer.finish(metadata, gathered) or True)
         entered = time.monotonic()
         try:
-            verdict = self._coll.broadcast(verdict)
+            return self._coll.broadcast(verdict), False
         except Exception as e:  # noqa: BLE001 - storage decides, unless this rank decided
-            if not self._coll.is_coordinator:
-                verdict = self._settle_without_coordinator(job, writer, error, e, entered)
-                results = None  # storage's answer is final, but such a rank deletes nothing: gc reclaims
-        if verdict is None:
-            self._parent = job.step
-            return
-        outcome, failures = verdict
-        if outcome is Outcome.UNKNOWN:
-            raise CommitOutcomeUnknownError(job.url, failures) from error
-        if outcome is Outcome.FAILED and results:
-            writer.delete_shards(results)  # this rank's own: no .metadata names them
-        raise CheckpointSaveError(job.url, failures) from error
+            if self._coll.is_coordinator:
+                return verdict, False
+            return self._settle_without_coordinator(job, writer, e, entered), True
 
-    def _decide(self, job: _SaveJob, writer: ObjectStoreWriter, metadata, gathered, gather_error):
-        """On the coordinator: commit if every rank succeeded; the verdict for ``_commit``."""
-        if gathered is None:
+    def _parse_global_state(self, unparsed: UnparsedMetadata) -> Metadata | None:
+        """A resumed coordinator's global ``Metadata``, parsed for a full commit, and kept in the plan cache; ``None`` if it cannot be."""
+        try:
+            metadata, plans = unparsed.resolve()
+        except Exception as e:  # noqa: BLE001 - finish() fails on None: the save fails, the next one plans in full
+            logger.warning("%s: parsing the resumed .metadata for a full commit failed: %s", self.root, e)
+            self.plan_cache.clear()
+            return None
+        self._writer.remember_local_plans(plans)
+        entry = self.plan_cache.entry
+        if entry is not None and entry.metadata is unparsed:
+            entry.metadata, entry.all_local_plans = metadata, plans
+        return metadata
+
+    def _decide(self, job: _SaveJob, writer: ObjectStoreWriter, gather_error, commit: Callable[[], bool]):
+        """On the coordinator: run ``commit`` (``False``: it cannot, commit in full); the verdict for ``_commit``, or ``_FULL``."""
+        if gather_error is not None:
             return Outcome.FAILED, {self.rank: f"collecting the ranks' write results failed: {_describe(gather_error)}"}
-        failures = {r: g.message for r, g in enumerate(gathered) if isinstance(g, _Failure)}
-        if failures:
-            return Outcome.FAILED, failures
         try:
             record = self._next_commit(job)
             writer.commit_tags, writer.commit_record = record.tags(), record.planner_data()
             try:
-                writer.finish(metadata, gathered)
+                if not commit():
+                    return _FULL
             finally:
                 job.stats.metadata_patched = writer.patched_commit
         except CommitOutcomeUnknownError as e:
@@ -717,7 +844,7 @@ class AsyncCheckpointer:
             )
         return CommitRecord(job.step, sequence, self._parent)
 
-    def _settle_without_coordinator(self, job: _SaveJob, writer: ObjectStoreWriter, error, broken: BaseException, entered: float):
+    def _settle_without_coordinator(self, job: _SaveJob, writer: ObjectStoreWriter, broken: BaseException, entered: float):
         """The verdict of a rank that lost the coordinator's answer: what storage shows, once it is final.
 
         The coordinator starts its ``.metadata`` PUT, if at all, no later
@@ -732,11 +859,8 @@ class AsyncCheckpointer:
         closed) is settled as if it had timed out, since the coordinator
         may still be working.  This rank returns sooner when the
         ``.metadata`` shows up.
-        A rank whose own upload failed knows the step cannot have committed.
         """
         why = f"the commit's collective broke ({_describe(broken)})"
-        if error is not None:
-            return Outcome.FAILED, {self.rank: f"{_describe(error)}; {why}"}
         broke = max(time.monotonic(), entered + self._coll.timeout_s(self.collective_timeout))
         until = broke + self.commit_window + landing_margin(writer.store)
         outcome = wait_and_settle(writer.store, job.nonce, until)
@@ -896,6 +1020,7 @@ class AsyncCheckpointer:
             # of .metadata), and sends each rank the step and its own
             # directory entry: a few hundred bytes, not W of them.
             shared: Any = self._find_for_load(step) if coordinator else None
+            directory = None
             if coordinator and not isinstance(shared, BaseException):
                 step, directory, raw = shared
                 shared = [(step, self._rank_entry(directory, r)) for r in range(self.world_size)]
@@ -934,10 +1059,12 @@ class AsyncCheckpointer:
                 reader.close()
         self._parent = step
         if share is not None:
+            if share.template_of is not None:
+                self._writer.remember_written_share(share.template_of, share.written)
             self.plan_cache.fill_from_share(
                 share.local_plan, share.final_plan, rank=self.rank, world_size=self.world_size,
                 planner=self.planner_factory(),
-                global_state=self._global_state_later(step, allow_globals, raw) if coordinator else None,
+                global_state=self._global_state_later(step, allow_globals, raw, directory) if coordinator else None,
                 source=describe_source(url, entry.get("torch_version")),
             )
             return step
@@ -991,22 +1118,29 @@ class AsyncCheckpointer:
         finally:
             child.close()
 
-    def _global_state_later(self, step: int, allow_globals: tuple, raw: bytes | None) -> concurrent.futures.Future:
-        """What the coordinator commits the next save with (global ``Metadata``, compact plans), read off the training thread.
+    def _global_state_later(self, step: int, allow_globals: tuple, raw: bytes | None, directory: dict | None) -> concurrent.futures.Future:
+        """What the coordinator commits the next save with, made off the training thread.
 
         A coordinator that resumed from its share has only its own plans.
-        ``.metadata`` (O(W x N): 22 MB at 64 x 2,000, about 1.4 GB at 4,096 x
-        2,000) is read and parsed here, in a thread of its own, while
-        training goes on; the first save waits for it on its background
-        thread (``PlanCache.lookup``).
+        Where the resume index holds the commit template's map, the next
+        saves patch the resumed ``.metadata`` (``_commit_template``): its
+        bytes are read, not parsed, and the global ``Metadata`` stays
+        unparsed in them (``UnparsedMetadata``) unless a save must commit in
+        full.  Otherwise ``.metadata`` (O(W x N): 22 MB at 64 x 2,000, about
+        1.4 GB at 4,096 x 2,000) is read and parsed here.  Either runs in a
+        thread of its own while training goes on; the first save waits for
+        it on its background thread (``PlanCache.lookup``).
         """
         future: concurrent.futures.Future = concurrent.futures.Future()
 
         def read() -> None:
             reader = self._reader(step, allow_globals, allow_unsafe_pickle=False)
             try:
-                metadata = reader.read_metadata() if raw is None else reader.use_metadata_bytes(raw)
-                future.set_result(PlanCache.coordinator_state(metadata))
+                state = self._commit_template(reader, directory, raw) if directory is not None else None
+                if state is None:
+                    metadata = reader.read_metadata() if raw is None else reader.use_metadata_bytes(raw)
+                    state = PlanCache.coordinator_state(metadata)
+                future.set_result(state)
             except BaseException as e:  # noqa: BLE001 - lookup logs it and the save plans in full
                 future.set_exception(e)
             finally:
@@ -1014,6 +1148,32 @@ class AsyncCheckpointer:
 
         threading.Thread(target=read, name="dcpstore-global-plan", daemon=True).start()
         return future
+
+    def _commit_template(self, reader: ObjectStoreReader, directory: dict, raw: bytes | None) -> tuple | None:
+        """On a resumed coordinator: the resumed ``.metadata`` as the writer's commit template, and what stands for the structure.
+
+        ``None`` (logged) when the index holds no map or the bytes are not
+        the map's: the caller parses ``.metadata`` instead.  Memory: the
+        bytes of ``.metadata`` and of the index's blocks, no object per item.
+        """
+        template = None
+        where, allowed = reader.store.url_for(METADATA_KEY), reader.allow_globals
+
+        def parse() -> tuple:  # the template's bytes: the last .metadata it committed, of this structure
+            return PlanCache.coordinator_state(parse_metadata(bytes(template.template.raw), where, allowed))
+
+        unparsed = UnparsedMetadata(parse)
+        try:
+            layout = resume_index.read_layout(reader.store, directory)
+            body = raw if raw is not None else read_metadata_bytes(reader.store)
+            template = CommitTemplate.from_stored(
+                body, layout.template, unparsed, layout.counts, layout.checksums, layout, layout.template_of
+            )
+        except (resume_index.IndexUnusable, Unpatchable) as e:
+            logger.info("%s: the next commit is built in full (%s)", reader.checkpoint_id, e)
+            return None
+        self._writer.use_template(template)
+        return unparsed, None
 
     def _find_for_load(self, step: int | None) -> tuple[int, dict | None, bytes | None] | BaseException:
         """On the coordinator: the step to load, its resume index directory and/or ``.metadata`` bytes, or the error for every rank.

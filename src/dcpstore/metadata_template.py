@@ -42,7 +42,10 @@ template, never a wrong ``.metadata``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import pickle
+import zlib
 from typing import Any, Callable
 
 import numpy
@@ -52,6 +55,11 @@ from . import planner_data
 
 PROTOCOL = pickle.HIGHEST_PROTOCOL  # what writer.finish pickles .metadata with
 _DIFF_CHUNK = 16 << 20  # bytes compared at a time: the build's memory beyond its two pickles
+
+
+GENERATION_DIGITS = 16  # a shard name's generation: the first hex digits of its save's id (see writer)
+_KINDS = ("str", "int", "bytes")  # a slot's kind, as a stored map codes it
+_MAX_MAP_BYTES = 256 << 20  # a stored map, inflated: 15 bytes a slot
 
 
 class Unpatchable(ValueError):
@@ -218,6 +226,29 @@ def _slot(role: str, value: Any, raw: bytes, start: int, end: int) -> Slot | Non
     return Slot(role, kind, start, len(payload))
 
 
+def _decode(slot: Slot, raw: bytes | bytearray) -> Any:
+    """The value ``slot`` holds in ``raw``: its UTF-8, its little-endian int (pickle's: unsigned in 1 and 2 bytes), or its bytes."""
+    payload = bytes(raw[slot.position : slot.position + slot.width])
+    if slot.kind == "str":
+        return payload.decode("utf-8", "surrogatepass")
+    if slot.kind == "int":
+        return int.from_bytes(payload, "little", signed=slot.width not in (1, 2))
+    return payload
+
+
+def _skeleton_digest(raw: bytes | bytearray, slots: list[Slot]) -> str:
+    """SHA-256 of ``raw`` with every slot's bytes zeroed: what patching never changes."""
+    digest = hashlib.sha256()
+    view = memoryview(raw)
+    at = 0
+    for slot in slots:
+        digest.update(view[at : slot.position])
+        digest.update(bytes(slot.width))
+        at = slot.position + slot.width
+    digest.update(view[at:])
+    return digest.hexdigest()
+
+
 def _differing_runs(a: bytes, b: bytes) -> list[tuple[int, int]]:
     """The ``[start, end)`` ranges where ``a`` and ``b`` (of one length) differ, compared a chunk at a time."""
     x, y = numpy.frombuffer(a, numpy.uint8), numpy.frombuffer(b, numpy.uint8)
@@ -320,89 +351,219 @@ def _storage_meta_slots(walk: _Walk, meta: Any) -> None:
 
 
 class CommitTemplate:
-    """The last committed save's ``.metadata`` template, and the layout a later save must have to be patched into it.
+    """The last full commit's ``.metadata`` template, and what a later save sends to be patched into it.
 
-    The layout is every write result's index, shard (its name without the
-    generation) and, for a tensor item, offset and length, in the order the
-    results were gathered (``storage_data``'s): a save is patched only when
-    it wrote exactly those items, where the template says, so a patched
-    ``.metadata`` names no byte this save did not write and misses none it
-    did.  A bytes item may change its offset and length (it is last in its
+    A later save of the structure is patched only when every rank wrote
+    exactly what it wrote for the template: the same items, in the same
+    shards, every tensor at the same offset and length.  Each rank checks
+    that itself against its own write results (``written_layout``) and says
+    so in a tensor collective, with its values: its items' crc32s (with
+    ``checksums``) then its bytes items' offsets and lengths, in the order of
+    its write results (``rank_values``).  The coordinator needs nothing per
+    item: ``counts`` says how many values each rank sends.  So a patched
+    ``.metadata`` names no byte that save did not write and misses none it
+    did; a bytes item may change its offset and length (it is last in its
     shard), within their pickled widths.
     """
 
-    def __init__(self, template: Template, metadata: Any, layout: list[tuple], generation: str):
+    def __init__(self, template: Template, metadata: Any, counts: list[tuple[int, int]], generation: str,
+                 checksums: bool, index: Any, template_id: int):
         self.template = template
         self.metadata = metadata  # the Metadata object the template pickles: a save of another one is another structure
-        self.layout = layout
+        self.counts = counts  # per rank: (items it wrote, of them bytes items)
         self.generation = generation
+        self.checksums = checksums  # whether the ranks send crc32s
+        self.index = index  # the resume index's resume_index.Layout, or None
+        self.template_id = template_id  # the save that made it (its nonce): what the ranks' layouts must come from
 
     @classmethod
-    def of_save(cls, metadata: Any, raw: bytes, results: list, generation: str) -> "CommitTemplate | None":
+    def of_save(cls, metadata: Any, raw: bytes, results: list, generation: str, index: Any, template_id: int) -> "CommitTemplate | None":
         """The template of a save just pickled as ``raw`` by the full path; ``None`` if it cannot be patched later."""
-        if isinstance(metadata.planner_data, dict) and planner_data.INDEX_KEY in metadata.planner_data:
-            return None  # the resume index is rebuilt on every save: not patched
         template = build(metadata, dcpstore_slots(metadata), raw)
         if template is None:
             return None
-        return cls(template, metadata, _layout(metadata, results, generation), generation)
+        if bool(template.roles("index.")) != (index is not None):
+            return None  # an index the template cannot write, or a pointer it cannot fill
+        is_bytes = _bytes_item_test(metadata)
+        counts = [(len(rank_results), sum(1 for wr in rank_results if is_bytes(wr.index))) for rank_results in results]
+        checksums = bool(template.roles("crc32"))
+        return cls(template, metadata, counts, generation, checksums, index, template_id)
 
-    def patched(self, metadata: Any, results: list, generation: str, record: dict, url: str, save_id: str) -> bytearray | None:
+    def width(self, rank: int) -> int:
+        """How many values rank ``rank`` sends (``rank_values``)."""
+        items, bytes_items = self.counts[rank]
+        return items * self.checksums + 2 * bytes_items
+
+    def patched(self, values: numpy.ndarray, generation: str, record: dict, url: str, save_id: str,
+                pointer: dict | None) -> bytearray | None:
         """The ``.metadata`` of a save of the same structure, patched in place; ``None`` when it must take the full path.
 
-        ``results``: the save's write results; ``record``: its commit record
-        (``planner_data.COMMIT_KEY``); ``url`` and ``save_id``: its
-        ``storage_meta``.  Once this returns bytes, the template holds them.
+        ``values``: one row per rank, each rank's ``rank_values`` (padded);
+        ``record``: the save's commit record (``planner_data.COMMIT_KEY``);
+        ``url`` and ``save_id``: its ``storage_meta``; ``pointer``: its
+        resume index's.  Once this returns bytes, the template holds them.
         """
-        if metadata is not self.metadata or _layout(metadata, results, generation) != self.layout:
-            return None
-        is_bytes = _bytes_item_test(metadata)
-        flat = [wr for rank_results in results for wr in rank_results]
-        crcs = [getattr(wr, "crc32", None) for wr in flat]
-        moved = iter([n for wr in flat if is_bytes(wr.index) for n in (wr.storage_data.offset, wr.storage_data.length)])
-        values = []
+        crcs, extents = self.split(values)
+        moved = iter(extents.reshape(-1).tolist())
+        out = []
         for slot, old in zip(self.template.slots, self.template.values):
-            if slot.role == "name":
+            role = slot.role
+            if role == "name":
                 if f"_{self.generation}_" not in old:
                     return None  # a shard not named by this writer's generations
-                values.append(old.replace(f"_{self.generation}_", f"_{generation}_", 1))
-            elif slot.role == "crc32":
-                if None in crcs:
-                    return None
-                values.append(planner_data.pack_crc32s(crcs))
-            elif slot.role in ("bytes.offset", "bytes.length"):
-                values.append(next(moved, None))  # None (no such item): Unpatchable below
-            elif slot.role.startswith("commit.") and slot.role[len("commit."):] in record:
-                values.append(record[slot.role[len("commit."):]])
-            elif slot.role == "checkpoint_id":
-                values.append(url)
-            elif slot.role == "save_id":
-                values.append(save_id)
+                out.append(old.replace(f"_{self.generation}_", f"_{generation}_", 1))
+            elif role == "crc32":
+                out.append(crcs.astype("<u4").tobytes())
+            elif role in ("bytes.offset", "bytes.length"):
+                out.append(next(moved, None))  # None (no such item): Unpatchable below
+            elif role.startswith("commit.") and role[len("commit."):] in record:
+                out.append(record[role[len("commit."):]])
+            elif role == "checkpoint_id":
+                out.append(url)
+            elif role == "save_id":
+                out.append(save_id)
+            elif role.startswith("index.") and pointer is not None:
+                out.append(_field(pointer, role[len("index."):]))
             else:
                 return None
         try:
-            raw = self.template.patch(values)
+            raw = self.template.patch(out)
         except Unpatchable:
             return None
         self.generation = generation
         return raw
+
+    def repoint(self, pointer: dict) -> bytearray | None:
+        """The template's bytes with the resume index's (stored) ``pointer`` in its slots; ``None`` if a value does not fit."""
+        values = [
+            _field(pointer, slot.role[len("index."):]) if slot.role.startswith("index.") else old
+            for slot, old in zip(self.template.slots, self.template.values)
+        ]
+        try:
+            return self.template.patch(values)
+        except Unpatchable:
+            return None
+
+    def split(self, values: numpy.ndarray) -> tuple[numpy.ndarray, numpy.ndarray]:
+        """``values``' crc32s (``storage_data``'s order) and bytes items' ``[offset, length]`` rows, every rank's in turn."""
+        items = {n for n, _ in self.counts}
+        bytes_items = {b for _, b in self.counts}
+        if len(items) == 1 and len(bytes_items) == 1:  # the usual: every rank writes as many (no Python per rank)
+            k, b = next(iter(items)) * self.checksums, next(iter(bytes_items))
+            return values[:, :k].reshape(-1), values[:, k : k + 2 * b].reshape(-1, 2)
+        crcs, extents = [], []
+        for row, (n, b) in zip(values, self.counts):
+            k = n * self.checksums
+            crcs.append(row[:k])
+            extents.append(row[k : k + 2 * b])
+        return numpy.concatenate(crcs), numpy.concatenate(extents).reshape(-1, 2)
+
+    def stored_map(self) -> bytes:
+        """The template's map, to keep beside the ``.metadata`` it was made from (in the resume index): ``from_stored`` reads it.
+
+        Where each slot lies and what it holds, and the SHA-256 of the bytes
+        with every slot zeroed (the skeleton, which no patch changes): a
+        ``.metadata`` whose skeleton hashes the same is this template patched.
+        """
+        slots = self.template.slots
+        roles = sorted({slot.role for slot in slots})
+        code = {role: i for i, role in enumerate(roles)}
+        header = json.dumps(
+            {"skeleton": _skeleton_digest(self.template.raw, slots), "size": len(self.template.raw), "roles": roles,
+             "slots": len(slots)},
+            separators=(",", ":"),
+        ).encode()
+        arrays = b"".join(
+            numpy.asarray(column, dtype).tobytes()
+            for column, dtype in (
+                ([slot.position for slot in slots], "<u8"),
+                ([slot.width for slot in slots], "<u4"),
+                ([_KINDS.index(slot.kind) for slot in slots], "<u1"),
+                ([code[slot.role] for slot in slots], "<u2"),
+            )
+        )
+        return zlib.compress(len(header).to_bytes(4, "little") + header + arrays, 1)
+
+    @classmethod
+    def from_stored(cls, raw: bytes, stored: bytes, metadata: Any, counts: list[tuple[int, int]], checksums: bool,
+                    index: Any, template_id: int) -> "CommitTemplate":
+        """The template of a committed ``.metadata`` (``raw``) from its map (``stored_map``); raises ``Unpatchable`` unless it is exactly that.
+
+        ``metadata`` stands for the structure (what the plan cache hands
+        later saves); ``counts``, ``checksums``, ``index`` and
+        ``template_id`` as the save that made the map had them (its resume
+        index says).  No ``Metadata`` is built: memory is the bytes.
+        """
+        try:
+            inflater = zlib.decompressobj()
+            text = inflater.decompress(stored, _MAX_MAP_BYTES)
+            if inflater.unconsumed_tail:
+                raise ValueError(f"it inflates past {_MAX_MAP_BYTES} bytes")
+            size = int.from_bytes(text[:4], "little")
+            header = json.loads(text[4 : 4 + size])
+            n, roles = header["slots"], header["roles"]
+            body = memoryview(text)[4 + size :]
+            if not (isinstance(n, int) and 0 < n and len(body) == 15 * n and isinstance(roles, list)):
+                raise ValueError("its arrays do not hold its slots")
+            positions = numpy.frombuffer(body, "<u8", n, 0)
+            widths = numpy.frombuffer(body, "<u4", n, 8 * n)
+            kinds = numpy.frombuffer(body, "<u1", n, 12 * n)
+            codes = numpy.frombuffer(body, "<u2", n, 13 * n)
+            ends = positions + widths
+            if header["size"] != len(raw) or (widths == 0).any() or ends[-1] > len(raw) or (positions[1:] < ends[:-1]).any():
+                raise ValueError("its slots do not lie in this .metadata, one after the other")
+            if (kinds >= len(_KINDS)).any() or (codes >= len(roles)).any() or not all(isinstance(r, str) for r in roles):
+                raise ValueError("a slot's kind or role is unknown")
+            slots = [
+                Slot(roles[c], _KINDS[k], p, w)
+                for c, k, p, w in zip(codes.tolist(), kinds.tolist(), positions.tolist(), widths.tolist())
+            ]
+        except (ValueError, KeyError, TypeError, IndexError, zlib.error) as e:
+            raise Unpatchable(f"the commit template's map is malformed ({e})") from None
+        if _skeleton_digest(raw, slots) != header["skeleton"]:
+            raise Unpatchable("this .metadata is not the commit template's: its bytes outside the slots differ")
+        owned = bytearray(raw)
+        template = Template(owned, slots, [_decode(slot, owned) for slot in slots])
+        save_ids = [value for slot, value in zip(slots, template.values) if slot.role in ("save_id", "index.save_id")]
+        if len(save_ids) != 1:
+            raise Unpatchable("the commit template's map has no save id: its shard names' generation is unknown")
+        return cls(template, metadata, counts, save_ids[0][:GENERATION_DIGITS], checksums, index, template_id)
 
     def names(self) -> set[str]:
         """The shard objects the template's ``.metadata`` names now."""
         return {value for slot, value in zip(self.template.slots, self.template.values) if slot.role == "name"}
 
 
+def _field(pointer: dict, path: str) -> Any:
+    """``pointer["directory"][2]`` for ``"directory.2"``: the value a role names."""
+    value: Any = pointer
+    for key in path.split("."):
+        value = value[int(key)] if isinstance(value, list) else value.get(key)
+    return value
+
+
+def written_layout(results: list, generation: str) -> list[tuple]:
+    """What a rank's write results fix for a template: each item, its shard (without the generation) and, for a tensor, where.
+
+    ``results``: ``ChecksummedWriteResult``\\ s (their ``bytes_item`` says
+    which items may move within their shard).
+    """
+    out = []
+    for wr in results:
+        info = wr.storage_data
+        shard = info.relative_path.replace(f"_{generation}_", "_", 1)
+        bytes_item = getattr(wr, "bytes_item", False)
+        out.append((wr.index, shard, bytes_item) if bytes_item else (wr.index, shard, info.offset, info.length))
+    return out
+
+
+def rank_values(results: list, checksums: bool) -> numpy.ndarray:
+    """What a rank sends of a patched save: its items' crc32s (with ``checksums``), then its bytes items' offsets and lengths."""
+    crcs = [wr.crc32 for wr in results] if checksums else []
+    extents = [n for wr in results if getattr(wr, "bytes_item", False) for n in (wr.storage_data.offset, wr.storage_data.length)]
+    return numpy.asarray(crcs + extents, numpy.int64)
+
+
 def _bytes_item_test(metadata: Any) -> Callable[[Any], bool]:
     sdm = metadata.state_dict_metadata
     return lambda index: isinstance(sdm.get(index.fqn), BytesStorageMetadata)
-
-
-def _layout(metadata: Any, results: list, generation: str) -> list[tuple]:
-    is_bytes = _bytes_item_test(metadata)
-    out = []
-    for rank_results in results:
-        for wr in rank_results:
-            info = wr.storage_data
-            shard = info.relative_path.replace(f"_{generation}_", "_", 1)
-            out.append((wr.index, shard) if is_bytes(wr.index) else (wr.index, shard, info.offset, info.length))
-    return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+from typing import Callable
 
 import torch
 
@@ -107,6 +108,25 @@ def _differing_field(old, new, path: str) -> str:
             if a != b:
                 return _differing_field(a, b, f"{path}.{field.name}")
     return f"{path} is {new!r}, cached {old!r}"
+
+
+class UnparsedMetadata:
+    """A resumed coordinator's global ``Metadata``, left unparsed in the bytes of its commit template.
+
+    A coordinator that resumed from the index commits the next saves by
+    patching the resumed ``.metadata`` (``metadata_template``), which needs
+    no ``Metadata`` object: this stands for the structure in the plan cache
+    (the template knows it by identity).  A save that must commit in full
+    parses the template's bytes (``resolve``): at 4,096 x 2,000, minutes
+    and gigabytes (docs/scale.md), paid only then.
+    """
+
+    def __init__(self, parse: Callable[[], tuple[Metadata, dict]]):
+        self._parse = parse
+
+    def resolve(self) -> tuple[Metadata, dict]:
+        """The global ``Metadata`` and the compact plans (``PlanCache.coordinator_state``)."""
+        return self._parse()
 
 
 class PlanCache:

@@ -136,6 +136,10 @@ class Layout:
     checksums: bool  # whether a segment holds its items' crc32s
     dcp_version: Any
     torch_version: str
+    # The commit template's map (``metadata_template.CommitTemplate.stored_map``) and the save it was made
+    # from: what a coordinator that resumes needs to patch the next commit.  None without one.
+    template: bytes | None = None
+    template_of: int | None = None
 
     def segments(self, metadata: Metadata, results: list[list[Any]]) -> list[bytes] | None:
         """Each writer's segment of a save's write results; ``None`` when they do not have this layout."""
@@ -156,8 +160,13 @@ class Layout:
         return out if len(out) == len(self.counts) else None
 
     def assemble(self, segments: list[bytes], save_id: str) -> tuple[list[bytes], dict[str, Any]]:
-        """The index object (as parts, to send back to back) of a save with these ``segments``, and its pointer."""
-        offset = len(self.blocks)
+        """The index object (as parts, to send back to back) of a save with these ``segments``, and its pointer.
+
+        The parts: the blocks, the template's map (if any), the values, the directory.
+        """
+        template = self.template or b""
+        offset = len(self.blocks) + len(template)
+        values_at = offset
         bounds = []
         for (items, bytes_items), segment in zip(self.counts, segments):
             bounds.append([offset, len(segment), hashlib.sha256(segment).hexdigest(), items, bytes_items])
@@ -172,8 +181,10 @@ class Layout:
             "checksums": self.checksums,
             "blocks": self.block_bounds,
             "segments": bounds,
-            "values": [len(self.blocks), len(values), hashlib.sha256(values).hexdigest()],
+            "values": [values_at, len(values), hashlib.sha256(values).hexdigest()],
             "needs": self.needs,
+            "template": [len(self.blocks), len(template), hashlib.sha256(template).hexdigest()] if template else None,
+            "template_of": self.template_of if template else None,
         }
         raw_directory = json.dumps(directory, separators=(",", ":")).encode()
         pointer = {
@@ -183,7 +194,35 @@ class Layout:
             "size": offset + len(raw_directory),
             "directory": [offset, len(raw_directory), hashlib.sha256(raw_directory).hexdigest()],
         }
-        return [self.blocks, values, raw_directory], pointer
+        return [self.blocks, template, values, raw_directory], pointer
+
+
+_POINTER_DIGITS = 15  # a size or an offset in the pointer .metadata stores: a fixed width, so a commit can patch it
+
+
+def stored_pointer(pointer: dict[str, Any]) -> dict[str, Any]:
+    """``pointer`` as ``.metadata`` stores it: every value at a width that does not change from save to save.
+
+    The sizes and offsets as zero-padded decimal strings, so a template
+    (``metadata_template``) patches them in place; ``pointer_of`` reads it back.
+    """
+    offset, length, digest = pointer["directory"]
+    return {
+        "version": pointer["version"],
+        "key": pointer["key"],
+        "save_id": pointer["save_id"],
+        "size": f"{pointer['size']:0{_POINTER_DIGITS}d}",
+        "directory": f"{offset:0{_POINTER_DIGITS}d}:{length:0{_POINTER_DIGITS}d}:{digest}",
+    }
+
+
+def _parse_bounds(value: Any) -> list[Any]:
+    """``"<offset>:<length>:<sha256>"`` (a tag, or a stored pointer's) as ``[offset, length, sha256]``; raises ``IndexUnusable``."""
+    offset, _, rest = str(value).partition(":")
+    length, _, digest = rest.partition(":")
+    if not (offset.isdigit() and length.isdigit() and len(digest) == 64 and len(offset) <= 18 and len(length) <= 18):
+        raise IndexUnusable(f"the resume index's bounds are malformed ({str(value)[:100]!r})")
+    return [int(offset), int(length), digest]
 
 
 def encode_segment(generation: str, crcs: Sequence[int], extents: Sequence[int]) -> bytes:
@@ -289,7 +328,7 @@ def _ranges(sorted_ints: list[int]) -> list[list[int]]:
 
 
 def tags(pointer: dict[str, Any]) -> dict[str, str]:
-    """The user metadata that names the index on ``.metadata``'s commit (see ``pointer_from_tags``)."""
+    """The user metadata that names the index on ``.metadata``'s commit (see ``pointer_from_head``)."""
     offset, length, digest = pointer["directory"]
     return {INDEX_TAG: f"{offset}:{length}:{digest}"}
 
@@ -375,15 +414,11 @@ def pointer_from_head(store) -> dict[str, Any] | None:
     value, nonce = tags.get(INDEX_TAG), tags.get(NONCE_KEY)
     if value is None or not nonce:
         return None
-    offset, _, rest = value.partition(":")
-    length, _, digest = rest.partition(":")
-    if not (offset.isdigit() and length.isdigit() and len(digest) == 64):
-        raise IndexUnusable(f"the {INDEX_TAG} tag of .metadata is malformed ({value[:100]!r})")
-    return {"version": VERSION, "key": index_key(nonce), "save_id": nonce, "directory": [int(offset), int(length), digest]}
+    return {"version": VERSION, "key": index_key(nonce), "save_id": nonce, "directory": _parse_bounds(value)}
 
 
 def pointer_of(metadata: Metadata) -> dict[str, Any]:
-    """The index pointer a parsed ``.metadata`` holds; raises ``IndexUnusable``."""
+    """The index pointer a parsed ``.metadata`` holds (``stored_pointer``, read back); raises ``IndexUnusable``."""
     pointer = planner_data.read_index_directory(metadata)
     if pointer is None:
         raise IndexUnusable("the checkpoint has no resume index", damaged=False)
@@ -394,7 +429,10 @@ def pointer_of(metadata: Metadata) -> dict[str, Any]:
         raise IndexUnusable(f"the resume index is version {pointer.get('version')!r}, this dcpstore reads {VERSION}", damaged=False)
     if pointer.get("save_id") != save_id or pointer.get("key") != index_key(str(save_id)):
         raise IndexUnusable("the resume index belongs to another save than this .metadata")
-    return pointer
+    size = pointer.get("size")
+    if not (isinstance(size, str) and size.isdigit()):
+        raise IndexUnusable("the resume index entry in .metadata is malformed")
+    return {**pointer, "size": int(size), "directory": _parse_bounds(pointer.get("directory"))}
 
 
 def read_directory(store, pointer: dict[str, Any], world_size: int | None) -> dict[str, Any]:
@@ -429,6 +467,37 @@ def read_values(store, directory: dict[str, Any]) -> bytes:
     (``rank_entry``): 4 bytes an item, 32 MB at 4,096 x 2,000.
     """
     return _read_range(store, directory["key"], directory.get("values"), MAX_VALUES_BYTES, "the values")
+
+
+def read_layout(store, directory: dict[str, Any]) -> Layout:
+    """The ``Layout`` of a committed save's index, read back (its blocks and its template's map): what a resumed coordinator writes again.
+
+    One ranged GET of the blocks, each checked against its hash, and one of
+    the template's map; raises ``IndexUnusable``, also when it has no map.
+    """
+    key, bounds = directory["key"], directory.get("template")
+    if bounds is None:
+        raise IndexUnusable("the resume index holds no commit template (its save committed without one)", damaged=False)
+    template = _read_range(store, key, bounds, MAX_BLOCK_BYTES, "the commit template")
+    try:
+        block_bounds = directory["blocks"]
+        end = sum(length for _, length, _ in block_bounds)
+        counts = [(_int(items), _int(bytes_items)) for *_, items, bytes_items in directory["segments"]]
+        template_of = _int(directory["template_of"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise IndexUnusable(f"{store.url_for(key)}: the directory is malformed ({e})") from None
+    if end > MAX_VALUES_BYTES:
+        raise IndexUnusable(f"{store.url_for(key)}: blocks of {end} bytes are more than this dcpstore reads back")
+    blocks = store.get_range(key, 0, end) if end else b""
+    offset = 0
+    for rank, (start, length, digest) in enumerate(block_bounds):
+        if start != offset or hashlib.sha256(blocks[start : start + length]).hexdigest() != digest:
+            raise IndexUnusable(f"{store.url_for(key)}: the block of rank {rank} does not match its hash")
+        offset += length
+    return Layout(
+        blocks, block_bounds, directory["needs"], counts, directory.get("checksums") is True,
+        directory.get("dcp_version"), str(directory.get("torch_version")), template, template_of,
+    )
 
 
 def _read_range(store, key: Any, bounds: Any, max_bytes: int, what: str) -> bytes:
@@ -545,7 +614,8 @@ def rank_entry(directory: dict[str, Any], rank: int, values: bytes | None = None
         raise IndexUnusable(f"{directory.get('key')}: the directory's entry for rank {rank} is malformed ({e})") from None
     return {"key": directory["key"], "save_id": directory["save_id"], "dcp_version": directory.get("dcp_version"),
             "torch_version": directory.get("torch_version"), "rank": rank, "block": directory["blocks"][rank],
-            "checksums": directory.get("checksums") is True, "segments": segments}
+            "checksums": directory.get("checksums") is True, "segments": segments,
+            "template_of": directory.get("template_of") if type(directory.get("template_of")) is int else None}
 
 
 def read_block(store, entry: dict[str, Any]) -> dict[str, Any]:
@@ -646,6 +716,8 @@ class Share:
     metadata: Metadata  # only this rank's chunks, and where they lie
     local_plan: SavePlan | None  # for the plan cache; None when its planner_data was not encodable
     final_plan: SavePlan | None
+    written: list[tuple] | None = None  # what this rank wrote, as metadata_template.written_layout gives it
+    template_of: int | None = None  # the save whose commit template that layout belongs to, if the index holds one
 
 
 def share_metadata(block: dict[str, Any], entry: dict[str, Any], url: str, segments: dict[int, tuple[str, Any, Any]]) -> Share:
@@ -660,6 +732,7 @@ def share_metadata(block: dict[str, Any], entry: dict[str, Any], url: str, segme
         checksums: dict[MetadataIndex, int] = {}
         local_items: list[WriteItem] = []
         final_items: list[WriteItem] = []
+        written: list[tuple[int, tuple]] = []
         for row in block["items"]:
             slot, position, offsets, sizes, flags, writer, path, offset, length, transforms, at, bytes_at = row
             fqn, md = fqn_mds[slot]
@@ -689,6 +762,9 @@ def share_metadata(block: dict[str, Any], entry: dict[str, Any], url: str, segme
             storage_data[index] = info
             if crcs is not None:
                 checksums[index] = crcs[_int(at)]
+            if writer == entry.get("rank"):  # what this rank writes, as its write results will say
+                shard = path.replace("_*_", "_", 1)
+                written.append((_int(at), (index, shard, True) if bytes_at is not None else (index, shard, info.offset, info.length)))
             local_items.append(item)
             if flags & 1:
                 final_items.append(kept)
@@ -710,7 +786,8 @@ def share_metadata(block: dict[str, Any], entry: dict[str, Any], url: str, segme
     )
     if entry.get("dcp_version") is not None and hasattr(metadata, "version"):
         metadata.version = entry["dcp_version"]
-    return Share(metadata, local_plan, final_plan)
+    written.sort(key=lambda entry: entry[0])
+    return Share(metadata, local_plan, final_plan, [layout for _, layout in written], entry.get("template_of"))
 
 
 def _int(value: Any) -> int:

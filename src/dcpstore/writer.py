@@ -132,6 +132,7 @@ class ChecksummedWriteResult(WriteResult):
     """
 
     crc32: int = 0
+    bytes_item: bool = False  # a bytes item: its offset and length may change from save to save (metadata_template)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,9 +284,15 @@ def write_items(
                 size_in_bytes=length,
                 storage_data=_StorageInfo(relative_path, offset, length, transform_descriptors=descriptors or None),
                 crc32=checked.crc,
+                bytes_item=item.type == WriteItemType.BYTE_IO,
             )
         )
     return results
+
+
+def _template_id(save_id: str) -> int:
+    """A save's id as a positive int64, for the tensor collective of a patched commit (an ``AsyncCheckpointer``'s nonce is 62 bits)."""
+    return int(save_id[:15], 16) + 1
 
 
 def carried_plan(plan: SavePlan) -> SavePlan | None:
@@ -401,9 +408,11 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._store: ObjectStore | None = None
         self._free_staging: list[StagingPool] = []  # for dcp.async_save: pools no staged copy holds now
-        # The last full commit's .metadata as a template (metadata_template): kept across saves, not reset.
+        # The last full commit's .metadata as a template (metadata_template), on the coordinator; and on
+        # every rank, the id and layout of the last save this rank wrote in full.  Kept across saves, not reset.
         self._template: metadata_template.CommitTemplate | None = None
-        self.patched_commit = False  # whether the last finish() patched the template
+        self._written: tuple[int, list] | None = None
+        self.patched_commit = False  # whether the last commit patched the template
         self.reset(url)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -414,7 +423,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         pools and the S3 client cannot travel and are remade there.
         """
         state = self.__dict__.copy()
-        state["_store"] = state["_executor"] = state["_template"] = None
+        state["_store"] = state["_executor"] = state["_template"] = state["_written"] = None
         state["_free_staging"] = []  # host memory stays in this process
         return state
 
@@ -607,8 +616,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         return f"{slot * 256 // self.key_spread:02x}/{name}"
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        if self._commit_patched(metadata, results):
-            return
+        self.patched_commit = False
         storage_data = {}
         checksums = {}
         for rank_results in results:
@@ -627,49 +635,121 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         # A reused (cached) Metadata already carries last save's extras: drop them.
         user_planner_data = planner_data.user_planner_data(metadata)
         metadata.planner_data = planner_data.embed(user_planner_data, extras)
-        pointer = self._write_resume_index(metadata, extras.get(planner_data.PLANS_KEY), results)
-        if pointer is not None:
-            extras[planner_data.INDEX_KEY] = pointer
+        index = self._resume_index(metadata, extras.get(planner_data.PLANS_KEY), results)
+        if index is not None:
+            layout, segments = index
+            extras[planner_data.INDEX_KEY] = resume_index.stored_pointer(layout.assemble(segments, self.save_id)[1])
             metadata.planner_data = planner_data.embed(user_planner_data, extras)
         raw = pickle.dumps(metadata, protocol=metadata_template.PROTOCOL)
-        self._template = None
+        template = None
         if self._patches_commits:  # the next save of this structure may patch this one
-            self._template = metadata_template.CommitTemplate.of_save(metadata, raw, results, self.save_id[:16])
-        self.commit(raw, {info.relative_path for info in storage_data.values()})
+            template = metadata_template.CommitTemplate.of_save(
+                metadata, raw, results, self.save_id[:16], index[0] if index else None, _template_id(self.save_id)
+            )
+        if index is not None:
+            layout, segments = index
+            if template is not None:
+                # The template's map goes in the index, so a coordinator that resumes from this step patches
+                # its next commit; the pointer to the index changes in fixed-width slots only.
+                mapped = dataclasses.replace(layout, template=template.stored_map(), template_of=template.template_id)
+                parts, pointer = mapped.assemble(segments, self.save_id)
+                repointed = template.repoint(resume_index.stored_pointer(pointer))
+                if repointed is not None:
+                    template.index, layout, raw = mapped, mapped, repointed
+                else:  # raw names the index without a map, as it was pickled
+                    template = None
+            parts, pointer = layout.assemble(segments, self.save_id)
+            extras[planner_data.INDEX_KEY] = resume_index.stored_pointer(pointer)
+            metadata.planner_data = planner_data.embed(user_planner_data, extras)
+            if not self._put_resume_index(parts, pointer):  # .metadata names no index: pickled again without it
+                del extras[planner_data.INDEX_KEY]
+                metadata.planner_data = planner_data.embed(user_planner_data, extras)
+                raw = pickle.dumps(metadata, protocol=metadata_template.PROTOCOL)
+                template = None
+        self._template = template
+        # A copy of a template's bytes: they change with the next save, and no body a retry resends may change under it.
+        self.commit(raw if isinstance(raw, bytes) else bytes(raw), {info.relative_path for info in storage_data.values()})
 
     @property
     def _patches_commits(self) -> bool:
         """Whether commits may patch the last one: an ``AsyncCheckpointer``'s (it sets the commit record), never an overwrite."""
         return self.commit_record is not None and not self.overwrite
 
-    def _commit_patched(self, metadata: Metadata, results: list[list[WriteResult]]) -> bool:
-        """Commit the last save's ``.metadata`` with this save's values written over it, if this save has its structure.
+    # -- patched commits (metadata_template) ---------------------------------------------
 
-        See ``metadata_template``: no ``Metadata`` is built or pickled, and
-        ``metadata`` (the cached one, which ``dcp.save`` would return) is
-        left as the last full commit made it.  Whether it could is
-        ``patched_commit`` afterwards.
+    def remember_written(self, results: list[WriteResult]) -> None:
+        """On every rank, after a save that took the full path: the layout this rank wrote, which its template was made of."""
+        self._written = (_template_id(self.save_id), metadata_template.written_layout(results, self.save_id[:16]))
+
+    def remember_written_share(self, template_of: int, written: list[tuple]) -> None:
+        """On every rank that resumed from its share of a resume index: the layout it wrote for the index's commit template."""
+        self._written = (template_of, written)
+
+    def use_template(self, template: metadata_template.CommitTemplate) -> None:
+        """On the coordinator: commit the next saves of its structure by patching ``template`` (one read back after a restart)."""
+        self._template = template
+
+    def patch_vote(self, results: list[WriteResult] | None) -> tuple[int, numpy.ndarray] | None:
+        """This rank's part of a patched commit: the template its write results fit (its id), and its values; ``None`` if they do not.
+
+        The check runs on the rank that wrote, against what it wrote for the
+        template: the same items in the same shards, each tensor where it was.
+        """
+        if self._written is None or not results:
+            return None
+        template_id, layout = self._written
+        if metadata_template.written_layout(results, self.save_id[:16]) != layout:
+            return None
+        return template_id, metadata_template.rank_values(results, self.checksums)
+
+    def template_id(self, metadata: Metadata | None) -> int:
+        """On the coordinator: the id of the template a save of ``metadata`` may patch, or 0."""
+        template = self._template
+        return template.template_id if template is not None and template.metadata is metadata else 0
+
+    def commit_patched(self, values: numpy.ndarray) -> bool:
+        """On the coordinator: commit this save as the template patched with every rank's ``values``; ``False`` to take the full path.
+
+        ``values``: a row per rank, its count of values, then the values
+        (``patch_vote``), padded.  The resume index, if the template has
+        one, is its blocks with this save's segments.  Raises as ``commit``.
         """
         self.patched_commit = False
-        if self._template is None or not self._patches_commits:
+        template = self._template
+        widths = numpy.array([template.width(r) for r in range(len(template.counts))], numpy.int64)
+        if values.shape[0] != len(widths) or not numpy.array_equal(values[:, 0], widths):
+            self._template = None
             return False
-        raw = self._template.patched(
-            metadata, results, self.save_id[:16], self.commit_record, self.url, self.save_id
-        )
+        rows = values[:, 1:]
+        generation = self.save_id[:16]
+        parts = pointer = None
+        self._index_key, self._index_tags = None, {}
+        if template.index is not None:
+            segments = []
+            for row, (items, bytes_items) in zip(rows, template.counts):
+                k = items * template.checksums
+                segments.append(resume_index.encode_segment(generation, row[:k], row[k : k + 2 * bytes_items]))
+            parts, pointer = template.index.assemble(segments, self.save_id)
+            if not self._put_resume_index(parts, pointer):  # the template names an index: commit in full
+                self._template = None
+                return False
+        stored = resume_index.stored_pointer(pointer) if pointer is not None else None
+        raw = template.patched(rows, generation, self.commit_record, self.url, self.save_id, stored)
         if raw is None:
+            if pointer is not None:
+                self._delete_quietly({pointer["key"]}, "resume index")
+            self._index_key, self._index_tags = None, {}
             self._template = None
             return False
         self.patched_commit = True
         # A copy: the template's bytes change with the next save, and no body a retry resends may change under it.
-        self.commit(bytes(raw), self._template.names())
+        self.commit(bytes(raw), template.names())
         return True
 
-    def _write_resume_index(self, metadata: Metadata, compact: dict | None, results: list[list[WriteResult]]) -> dict | None:
-        """PUT the resume index (see ``resume_index``) before ``.metadata``; its pointer, or ``None`` without one.
+    def _resume_index(self, metadata: Metadata, compact: dict | None, results: list[list[WriteResult]]) -> tuple | None:
+        """The resume index of this save (see ``resume_index``): its layout and segments, or ``None`` without one.
 
-        Only for jobs of several ranks, with the compact plans, which say what each rank's local plan
-        held.  The index is a cache: a save whose index PUT fails still
-        commits, and its restarts read ``.metadata``.
+        Only for jobs of several ranks, with the compact plans, which say what each rank's local plan held.
         """
         self._index_key, self._index_tags = None, {}
         if compact is None or len(compact["ranks"]) < 2:
@@ -683,16 +763,22 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         if segments is None:
             logger.info("%s: the plans do not index this save's items; no resume index", self.url)
             return None
-        parts, pointer = layout.assemble(segments, self.save_id)
+        return layout, segments
+
+    def _put_resume_index(self, parts: list[bytes], pointer: dict) -> bool:
+        """PUT the resume index before ``.metadata``; whether it is there.
+
+        The index is a cache: a save whose index PUT fails still commits
+        (without it), and its restarts read ``.metadata``.
+        """
         try:
             self.store.put(pointer["key"], b"".join(parts))
         except Exception as e:  # noqa: BLE001 - an optional cache: the commit goes on without it
             logger.warning("%s: could not write the resume index (%s); restarts will read .metadata", self.url, e)
             self._delete_quietly({pointer["key"]}, "resume index")
-            return None
-        self._index_key = pointer["key"]
-        self._index_tags = resume_index.tags(pointer)
-        return pointer
+            return False
+        self._index_key, self._index_tags = pointer["key"], resume_index.tags(pointer)
+        return True
 
     def _plans_extras(self, metadata: Metadata, results: list[list[WriteResult]]) -> dict[str, Any]:
         """What ``finish()`` stores about the plans: the compact form, the full list, or nothing."""
