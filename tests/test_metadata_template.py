@@ -194,10 +194,13 @@ def test_a_patched_commit_that_loses_the_race_for_its_step_is_refused_and_delete
 def test_four_ranks_patch_every_save_of_a_structure_without_an_object_collective(bucket, s3):
     """4 gloo ranks x 1,500 DTensors: from the third save on, the commit sends tensors only, and stock torch loads every step.
 
-    A bytes item's pickled size changes every save; rank 1 widens a
-    tensor of its own at step 4 (planned anew, committed in full), and step 5 is
-    patched again.  ``dcpstore verify --deep`` checks every rank's resume
-    index share against each ``.metadata``.
+    A bytes item's pickled size changes every save.  Rank 1 widens a tensor
+    of its own at step 4 (planned anew, committed in full), and step 5 is
+    patched again.  At step 6 a bytes item grows past what its slot's width
+    holds: the plans are reused, but the coordinator cannot patch, so every
+    rank commits in full, and step 7 is patched again.
+    ``dcpstore verify --deep`` checks every rank's resume index share
+    against each patched ``.metadata``.
     """
     from conftest import read_metadata_raw
     from dist_utils import run_ranks
@@ -206,15 +209,16 @@ def test_four_ranks_patch_every_save_of_a_structure_without_an_object_collective
     from dcpstore.cli import main
 
     root = f"s3://{bucket}/run"
-    results = run_ranks(checkpointer_patched_saves, 4, root, 1500, (1, 2, 3, 4, 5), 4, timeout=600)
+    steps = (1, 2, 3, 4, 5, 6, 7)
+    results = run_ranks(checkpointer_patched_saves, 4, root, 1500, steps, 4, 6, timeout=900)
     for rank, by_step in results.items():
-        objects = [by_step[s][0] for s in (1, 2, 3, 4, 5)]
-        assert objects[2] == 0 and objects[4] == 0, (rank, objects)  # steady: tensors only
-        assert objects[0] > 0 and objects[1] > 0 and objects[3] > 0, (rank, objects)  # first, no-parent template, new shape
-        assert [by_step[s][1] for s in (1, 2, 3, 4, 5)] == [False, True, True, False, True]
-        assert all(by_step[s][3] for s in by_step), rank  # stock FsspecReader, bit-exact, every step
-    assert [results[0][s][2] for s in (1, 2, 3, 4, 5)] == [False, False, True, False, True]
-    for step in (3, 5):
+        objects = [by_step[s][0] for s in steps]
+        steady = [n == 0 for n in objects]
+        assert steady == [False, False, True, False, True, False, True], (rank, objects)
+        assert [by_step[s][1] for s in steps] == [False, True, True, False, True, True, True]  # plans reused
+        assert all(by_step[s][3] for s in steps), rank  # stock FsspecReader, bit-exact, every step
+    assert [results[0][s][2] for s in steps] == [False, False, True, False, True, False, True]  # .metadata patched
+    for step in (3, 5, 7):
         metadata = read_metadata_raw(s3, bucket, f"run/step_{step:08d}")
-        assert len(metadata.storage_data) == 4 * 1500 + 4 + 2
+        assert len(metadata.storage_data) == 4 * 1500 + 4 + 3
         assert main(["verify", f"{root}/step_{step:08d}", "--deep"]) == 0

@@ -171,6 +171,29 @@ def test_a_missing_or_damaged_index_falls_back_to_metadata_with_a_warning(damage
     assert [m for m, p in proxy.requests if p.split("?")[0].endswith("step_00000030/.metadata")] == ["HEAD", "HEAD", "GET"]
 
 
+def test_a_damaged_commit_template_costs_one_full_commit_after_the_resume_and_nothing_else(bucket, s3, proxy):
+    """The template's map in the index no longer matches its hash: the ranks still resume from their blocks, the
+    coordinator parses .metadata for its next commit (logged, no warning), and that save commits in full and loads
+    bit-exact."""
+    root = f"s3://{bucket}/run"
+    (_, final, _), *_ = run_ranks(checkpointer_three_saves, 2, root, "central").values()
+    pointer, directory = _index(s3, bucket, "run/step_00000030")
+    key = f"run/step_00000030/{pointer['key']}"
+    body = bytearray(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    start, length, _ = directory["template"]
+    body[start + length // 2] ^= 0xFF
+    s3.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+    results = run_ranks(checkpointer_resume_logged, 2, root, proxy.endpoint)
+    for rank, ((step, loaded, counts, reused, expected, reloaded), logged) in results.items():
+        assert step == 30 and reused
+        assert_same(loaded, final)
+        assert counts.get("gather_object", 0) == 1  # the write results, as objects: a full commit
+        assert_same(reloaded, expected)
+        assert not [r for r in logged if r.startswith("WARNING")], logged
+        if rank == 0:
+            assert any("the next commit is built in full" in r and "commit template does not match its hash" in r for r in logged), logged
+
+
 def _tensor_row(fqn="w", dtype="float32", size=(4,), **fields):
     properties = {"dtype": {"dtype": dtype}, "layout": {"layout": "strided"}, "requires_grad": {"v": False}, **fields}
     return [fqn, "tensor", list(size), properties]

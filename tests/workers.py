@@ -484,9 +484,10 @@ def latest_step_when_the_coordinators_listing_fails(rank, world_size, root, prox
     return None
 
 
-def many_items_state_dict(world_size: int, rank: int, items: int, step: int, wider_rank: int | None = None) -> dict:
-    """``items`` DTensor shards a rank (FSDP's many parameters), a tensor of the rank's own, a replicated tensor, and a
-    bytes item whose pickled size changes every save.
+def many_items_state_dict(world_size: int, rank: int, items: int, step: int, wider_rank: int | None = None,
+                          big: bool = False) -> dict:
+    """``items`` DTensor shards a rank (FSDP's many parameters), a tensor of the rank's own, a replicated tensor, and
+    bytes items: one whose pickled size changes every save, and a note of 100 bytes, or 70,000 with ``big``.
 
     ``wider_rank``: that rank's own tensor has one more row (a new shape: planned anew).
     """
@@ -503,11 +504,14 @@ def many_items_state_dict(world_size: int, rank: int, items: int, step: int, wid
         f"rank{rank}": torch.randn(3 if rank == wider_rank else 2, 5, generator=g),
         "replicated": torch.full((4,), float(step)),
         "optim": {"step": 7 ** step},  # a pickled size of its own every save
+        "note": b"n" * (70_000 if big else 100),  # its length past 65,535: no longer the width of its slot
     }
 
 
-def checkpointer_patched_saves(rank, world_size, root, items, steps, wider_from):
-    """Save ``steps`` with ``items`` DTensors a rank, counting each save's collectives; rank 1 widens a parameter from step ``wider_from``.
+def checkpointer_patched_saves(rank, world_size, root, items, steps, wider_from, big_from):
+    """Save ``steps`` with ``items`` DTensors a rank, counting each save's collectives.
+
+    Rank 1 widens a tensor of its own from step ``wider_from``; the note grows past 65,535 bytes from ``big_from``.
 
     Returns per step: (object collectives of the save, plan reused, .metadata patched (coordinator), what every rank loads
     back with stock ``FsspecReader`` equals what it saved).
@@ -516,15 +520,17 @@ def checkpointer_patched_saves(rank, world_size, root, items, steps, wider_from)
     out = {}
     with dcpstore.AsyncCheckpointer(root) as ckpt:
         for step in steps:
-            sd = many_items_state_dict(world_size, rank, items, step, wider_rank=1 if step >= wider_from else None)
+            shape = {"wider_rank": 1 if step >= wider_from else None, "big": step >= big_from}
+            sd = many_items_state_dict(world_size, rank, items, step, **shape)
             counts.clear()
             ckpt.save(sd, step=step)
             ckpt.wait()
             objects = sum(counts.get(name, 0) for name in OBJECT_COLLECTIVES)
             stats = ckpt.last_stats
-            back = many_items_state_dict(world_size, rank, items, 0, wider_rank=1 if step >= wider_from else None)
+            back = many_items_state_dict(world_size, rank, items, 0, **shape)
             dcp.load(back, storage_reader=FsspecReader(ckpt.step_url(step)))
             same = all(torch.equal(back["model"][k].to_local(), v.to_local()) for k, v in sd["model"].items())
-            same = same and all(torch.equal(back[k], sd[k]) for k in (f"rank{rank}", "replicated")) and back["optim"] == sd["optim"]
+            same = same and all(torch.equal(back[k], sd[k]) for k in (f"rank{rank}", "replicated"))
+            same = same and back["optim"] == sd["optim"] and back["note"] == sd["note"]
             out[step] = (objects, stats.plan_reused, stats.metadata_patched, same)
     return out

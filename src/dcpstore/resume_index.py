@@ -260,6 +260,7 @@ def layout_of(metadata: Metadata, compact: dict[str, Any], results: list[list[An
     encoded_pd: dict[int, Any] = {}  # id(planner_data) -> its encoding: ranks share one object
     blocks: list[bytes] = []
     needs: list[list[list[int]]] = []
+    starred: dict[str, str] = {}  # a shard's name -> with its generation as "*"
     try:
         for rank in range(len(compact["ranks"])):
             pd = planner_data.rank_planner_data(compact, metadata, rank, user_pd)
@@ -286,10 +287,12 @@ def layout_of(metadata: Metadata, compact: dict[str, Any], results: list[list[An
                     key = (fqns[i], tuple(offsets))
                 info = where[key]
                 writer, position, bytes_position = written[key]
-                generation = _generation(info.relative_path)
-                if generation is None:
-                    return None  # not a name this writer gives: its generation cannot move to a segment
-                path = info.relative_path.replace(f"_{generation}_", "_*_", 1)
+                path = starred.get(info.relative_path)
+                if path is None:  # once a shard: W x 4 names, not W x N
+                    generation = _generation(info.relative_path)
+                    if generation is None:
+                        return None  # not a name this writer gives: its generation cannot move to a segment
+                    path = starred[info.relative_path] = info.relative_path.replace(f"_{generation}_", "_*_", 1)
                 offset, length = (None, None) if bytes_position is not None else (info.offset, info.length)
                 transforms = getattr(info, "transform_descriptors", None)
                 writers.add(writer)
@@ -537,6 +540,8 @@ def _read_part(store, key: Any, bounds: Any, max_bytes: int, max_inflated: int, 
 
 def _inflate(raw: bytes, limit: int, what: str, compressed: bool = True) -> dict[str, Any]:
     """A (zlib) JSON object that must inflate to at most ``limit`` bytes; raises ``IndexUnusable``."""
+    if not compressed and raw[:1] != b"{":  # an older dcpstore's directory (zlib), or not one at all
+        raise IndexUnusable(f"{what} is not in this dcpstore's format (version {VERSION}): an older index", damaged=False)
     try:
         if compressed:
             inflater = zlib.decompressobj()

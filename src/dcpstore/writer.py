@@ -695,7 +695,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         The check runs on the rank that wrote, against what it wrote for the
         template: the same items in the same shards, each tensor where it was.
         """
-        if self._written is None or not results:
+        if self._written is None or results is None:
             return None
         template_id, layout = self._written
         if metadata_template.written_layout(results, self.save_id[:16]) != layout:
