@@ -112,6 +112,36 @@ def test_the_next_real_save_of_a_structure_is_the_last_one_patched(tmp_path):
     assert template.patch(values) == pickle.dumps(md3, protocol=metadata_template.PROTOCOL)
 
 
+def test_a_template_read_back_from_its_map_is_the_one_that_made_it_or_is_refused():
+    """What a resumed coordinator patches: the committed bytes and the map in the resume index; any other bytes are refused."""
+    plans = simulate_plans(4, 12)
+    _, central, metadata = global_step(plans)
+    writer, _ = finish(plans, metadata, write_results(central))
+    writer.close()
+    template, raw = writer._template, writer.raw
+    assert template is not None and template.index is not None and bytes(template.template.raw) == raw
+
+    def read_back(body: bytes, stored: bytes = template.stored_map()):
+        return metadata_template.CommitTemplate.from_stored(
+            body, stored, "structure", template.counts, template.checksums, template.index, template.template_id
+        )
+
+    back = read_back(raw)
+    assert back.template.slots == template.template.slots and back.template.values == template.template.values
+    assert back.generation == template.generation and back.metadata == "structure"
+    name = next(slot for slot in template.template.slots if slot.role == "name")
+    other_shard = bytearray(raw)
+    other_shard[name.position + 2] ^= 1  # __0_<nonce>_0.distcp -> __1_<nonce>_0.distcp: the width and the nonce kept
+    with pytest.raises(Unpatchable, match="names other shards"):
+        read_back(bytes(other_shard))
+    outside = bytearray(raw)
+    outside[name.position - 3] ^= 1
+    with pytest.raises(Unpatchable, match="outside the slots differ"):
+        read_back(bytes(outside))
+    with pytest.raises(Unpatchable, match="malformed"):
+        read_back(raw, template.stored_map()[:-5])
+
+
 def test_an_async_checkpointer_patches_each_save_of_an_unchanged_structure_and_stock_torch_loads_it(bucket, s3):
     """From the save after a full commit on, .metadata is the last one patched (a job's first save, with no parent, is not a template).
 

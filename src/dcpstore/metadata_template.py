@@ -60,6 +60,7 @@ _DIFF_CHUNK = 16 << 20  # bytes compared at a time: the build's memory beyond it
 GENERATION_DIGITS = 16  # a shard name's generation: the first hex digits of its save's id (see writer)
 _KINDS = ("str", "int", "bytes")  # a slot's kind, as a stored map codes it
 _MAX_MAP_BYTES = 256 << 20  # a stored map, inflated: 15 bytes a slot
+_MAX_MAP_HEADER = 1 << 20  # its JSON header: the hashes, the size and the few role names
 
 
 class Unpatchable(ValueError):
@@ -234,6 +235,15 @@ def _decode(slot: Slot, raw: bytes | bytearray) -> Any:
     if slot.kind == "int":
         return int.from_bytes(payload, "little", signed=slot.width not in (1, 2))
     return payload
+
+
+def _names_digest(slots: list[Slot], values: list[Any], generation: str) -> str:
+    """SHA-256 of the shard names in ``values``, each with its save's ``generation`` left out: what every patch keeps."""
+    digest = hashlib.sha256()
+    for slot, value in zip(slots, values):
+        if slot.role == "name":
+            digest.update(str(value).replace(f"_{generation}_", "_*_", 1).encode("utf-8", "surrogatepass") + b"\n")
+    return digest.hexdigest()
 
 
 def _skeleton_digest(raw: bytes | bytearray, slots: list[Slot]) -> str:
@@ -470,7 +480,7 @@ class CommitTemplate:
         code = {role: i for i, role in enumerate(roles)}
         header = json.dumps(
             {"skeleton": _skeleton_digest(self.template.raw, slots), "size": len(self.template.raw), "roles": roles,
-             "slots": len(slots)},
+             "slots": len(slots), "names": _names_digest(slots, self.template.values, self.generation)},
             separators=(",", ":"),
         ).encode()
         arrays = b"".join(
@@ -492,14 +502,21 @@ class CommitTemplate:
         ``metadata`` stands for the structure (what the plan cache hands
         later saves); ``counts``, ``checksums``, ``index`` and
         ``template_id`` as the save that made the map had them (its resume
-        index says).  No ``Metadata`` is built: memory is the bytes.
+        index says).  No ``Metadata`` is built: memory is the bytes.  Every
+        byte is checked: those outside the slots by the skeleton's hash, the
+        shard names (the only slots whose values a patch carries on) by a
+        hash of their own; the other slots are written anew by every patch.
         """
         try:
             inflater = zlib.decompressobj()
             text = inflater.decompress(stored, _MAX_MAP_BYTES)
             if inflater.unconsumed_tail:
                 raise ValueError(f"it inflates past {_MAX_MAP_BYTES} bytes")
+            if not inflater.eof:
+                raise ValueError("it is cut short")
             size = int.from_bytes(text[:4], "little")
+            if size > _MAX_MAP_HEADER:
+                raise ValueError(f"its header is {size} bytes")
             header = json.loads(text[4 : 4 + size])
             n, roles = header["slots"], header["roles"]
             body = memoryview(text)[4 + size :]
@@ -523,11 +540,17 @@ class CommitTemplate:
         if _skeleton_digest(raw, slots) != header["skeleton"]:
             raise Unpatchable("this .metadata is not the commit template's: its bytes outside the slots differ")
         owned = bytearray(raw)
-        template = Template(owned, slots, [_decode(slot, owned) for slot in slots])
-        save_ids = [value for slot, value in zip(slots, template.values) if slot.role in ("save_id", "index.save_id")]
-        if len(save_ids) != 1:
+        try:
+            values = [_decode(slot, owned) for slot in slots]
+        except UnicodeDecodeError as e:
+            raise Unpatchable(f"a slot of this .metadata does not hold what the map says ({e})") from None
+        save_ids = [value for slot, value in zip(slots, values) if slot.role in ("save_id", "index.save_id")]
+        if len(save_ids) != 1 or not isinstance(save_ids[0], str):
             raise Unpatchable("the commit template's map has no save id: its shard names' generation is unknown")
-        return cls(template, metadata, counts, save_ids[0][:GENERATION_DIGITS], checksums, index, template_id)
+        generation = save_ids[0][:GENERATION_DIGITS]
+        if _names_digest(slots, values, generation) != header.get("names"):
+            raise Unpatchable("this .metadata names other shards than the commit template's")
+        return cls(Template(owned, slots, values), metadata, counts, generation, checksums, index, template_id)
 
     def names(self) -> set[str]:
         """The shard objects the template's ``.metadata`` names now."""
