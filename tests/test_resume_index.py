@@ -1,6 +1,7 @@
 """The resume index: a restarted rank reads its own share of a checkpoint, not the whole job's ``.metadata``."""
 
 import dataclasses
+import hashlib
 import json
 import zlib
 
@@ -12,6 +13,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -26,6 +28,7 @@ from workers import OBJECT_COLLECTIVES, checkpointer_resume_logged, checkpointer
 from dcpstore import planner_data, resume_index
 from dcpstore.plan_cache import PlanCache, describe_source
 from dcpstore.cli import main
+from dcpstore.planner_data import INDEX_KEY
 
 
 def _index(s3, bucket, prefix):
@@ -192,6 +195,30 @@ def test_a_damaged_commit_template_costs_one_full_commit_after_the_resume_and_no
         assert not [r for r in logged if r.startswith("WARNING")], logged
         if rank == 0:
             assert any("the next commit is built in full" in r and "commit template does not match its hash" in r for r in logged), logged
+
+
+def test_an_older_dcpstores_index_is_an_ordinary_miss_not_damage():
+    """Version 3 kept the directory zlib-compressed and its pointer's sizes as ints: .metadata serves, without a warning."""
+    metadata = Metadata({}, planner_data=planner_data.embed(None, {INDEX_KEY: {
+        "version": 3, "key": ".dcpstore-index-0123456789abcdef", "save_id": "0123456789abcdef", "size": 9,
+        "directory": [0, 9, "0" * 64]}}))
+    metadata.storage_meta = StorageMeta(checkpoint_id="s3://b/ck", save_id="0123456789abcdef")
+    with pytest.raises(resume_index.IndexUnusable, match="version 3") as raised:
+        resume_index.pointer_of(metadata)
+    assert not raised.value.damaged
+    directory = zlib.compress(b'{"version":3}')
+
+    class _Store:  # an index object holding a version 3 directory, found by its tag
+        def get_range(self, key, start, end):
+            return directory[start:end]
+
+        def url_for(self, key):
+            return f"s3://b/ck/{key}"
+
+    pointer = {"key": ".dcpstore-index-x", "save_id": "x", "directory": [0, len(directory), hashlib.sha256(directory).hexdigest()]}
+    with pytest.raises(resume_index.IndexUnusable, match="an older index") as raised:
+        resume_index.read_directory(_Store(), pointer, 2)
+    assert not raised.value.damaged
 
 
 def _tensor_row(fqn="w", dtype="float32", size=(4,), **fields):
