@@ -638,7 +638,8 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         index = self._resume_index(metadata, extras.get(planner_data.PLANS_KEY), results)
         if index is not None:
             layout, segments = index
-            extras[planner_data.INDEX_KEY] = resume_index.stored_pointer(layout.assemble(segments, self.save_id)[1])
+            parts, pointer = layout.assemble(segments, self.save_id)
+            extras[planner_data.INDEX_KEY] = resume_index.stored_pointer(pointer)
             metadata.planner_data = planner_data.embed(user_planner_data, extras)
         raw = pickle.dumps(metadata, protocol=metadata_template.PROTOCOL)
         template = None
@@ -647,20 +648,18 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
                 metadata, raw, results, self.save_id[:16], index[0] if index else None, _template_id(self.save_id)
             )
         if index is not None:
-            layout, segments = index
             if template is not None:
                 # The template's map goes in the index, so a coordinator that resumes from this step patches
                 # its next commit; the pointer to the index changes in fixed-width slots only.
                 mapped = dataclasses.replace(layout, template=template.stored_map(), template_of=template.template_id)
-                parts, pointer = mapped.assemble(segments, self.save_id)
-                repointed = template.repoint(resume_index.stored_pointer(pointer))
+                mapped_parts, mapped_pointer = mapped.assemble(segments, self.save_id)
+                repointed = template.repoint(resume_index.stored_pointer(mapped_pointer))
                 if repointed is not None:
-                    template.index, layout, raw = mapped, mapped, repointed
+                    template.index, parts, pointer, raw = mapped, mapped_parts, mapped_pointer, repointed
+                    extras[planner_data.INDEX_KEY] = resume_index.stored_pointer(pointer)
+                    metadata.planner_data = planner_data.embed(user_planner_data, extras)
                 else:  # raw names the index without a map, as it was pickled
                     template = None
-            parts, pointer = layout.assemble(segments, self.save_id)
-            extras[planner_data.INDEX_KEY] = resume_index.stored_pointer(pointer)
-            metadata.planner_data = planner_data.embed(user_planner_data, extras)
             if not self._put_resume_index(parts, pointer):  # .metadata names no index: pickled again without it
                 del extras[planner_data.INDEX_KEY]
                 metadata.planner_data = planner_data.embed(user_planner_data, extras)
