@@ -69,14 +69,17 @@ above ``multipart_threshold`` is checked by a HEAD just before (README).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import time
 
 from .commit import PARENT_KEY, SEQUENCE_KEY, tags_in_object
 from .layout import (
     METADATA_KEY,
     StepInfo,
     StepNaming,
+    committed_steps,
     delete_committed_step,
     delete_incomplete_step,
     holds_only_a_tombstone,
@@ -128,6 +131,10 @@ class CommitOrder:
                 record = self._records[info.prefix] = dataclasses.replace(record, committed_at=info.committed_at)
             out.append(record)
         return in_commit_order(out)
+
+    def steps(self, naming: StepNaming) -> list[int]:
+        """The committed steps under the root named ``naming``'s way, oldest commit first (not by number)."""
+        return [r.step for r in self.records(committed_steps(self.store, naming))]
 
     def newest(self, naming: StepNaming | None) -> tuple[int, int | None]:
         """The highest sequence committed under the root now, and the highest committed step number.
@@ -329,3 +336,73 @@ def _older(t: float | None, than: float) -> bool:
 
 def _step_of(upload: MultipartUploadInfo) -> str:
     return upload.key.split("/", 1)[0]
+
+
+class Retention:
+    """An ``AsyncCheckpointer``'s retention, run by its coordinator after each commit: ``keep_last`` and ``gc_grace``.
+
+    ``after_commit`` runs ``plan_gc`` on a thread of its own and waits for
+    it while the peers still wait for the commit's verdict, so that once a
+    save is done on any rank every rank's ``committed_steps()`` lists what
+    is kept.  But a throttled or stalled DELETE can retry for a whole
+    throttle budget, and a peer stops waiting for the verdict a group
+    timeout after it entered the broadcast (``peers_wait_until``, the
+    coordinator's ``put_deadline``: no peer gives up before it).  So the
+    wait ends a tenth of the group timeout before that; the deletes then go
+    on in the background (logged), and a commit that finds the last round
+    still running skips its own round: the next one deletes what is left.
+    """
+
+    def __init__(
+        self, store: ObjectStore, keep_last: int | None, gc_grace: float | None,
+        naming: StepNaming, order: CommitOrder, group_timeout_s: float,
+    ):
+        self.store, self.keep_last, self.gc_grace = store, keep_last, gc_grace
+        self.naming, self.order, self.group_timeout_s = naming, order, group_timeout_s
+        self._collector = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpstore-retention")
+        self._collecting: concurrent.futures.Future | None = None  # the last commit's round
+
+    @property
+    def enabled(self) -> bool:
+        return self.keep_last is not None or self.gc_grace is not None
+
+    def after_commit(self, just_committed: int, unsettled: frozenset[int], peers_wait_until: float | None) -> None:
+        """Delete what retention drops now that ``just_committed`` committed, waiting at most until shortly before ``peers_wait_until``.
+
+        ``unsettled``: steps whose commit outcome the job could not learn;
+        never pruned here.  ``peers_wait_until`` ``None``: no peers, wait it out.
+        """
+        if self._collecting is not None and not self._collecting.done():
+            logger.warning("%s: the last commit's deletions are still running; this commit deletes nothing", self.store.url)
+            return
+        self._collecting = self._collector.submit(self._collect, frozenset({just_committed, *unsettled}))
+        if peers_wait_until is None:
+            self._collecting.result()
+            return
+        margin = self.group_timeout_s / 10
+        concurrent.futures.wait([self._collecting], timeout=max(0.0, peers_wait_until - margin - time.monotonic()))
+        if not self._collecting.done():
+            logger.warning(
+                "%s: deleting old steps (keep_last=%s, gc_grace=%s) outlasts what the peers wait for; it goes on in "
+                "the background, and the ranks may list steps it is deleting", self.store.url, self.keep_last, self.gc_grace,
+            )
+
+    def _collect(self, keep: frozenset[int]) -> None:
+        """Delete committed steps beyond ``keep_last`` and, with ``gc_grace``, failed saves' debris; best effort.
+
+        Kept: the newest commit and its lineage, then the newest of the rest
+        (see ``retained``), and ``keep``: the step just committed, whatever
+        another run committed meanwhile, and the unsettled ones.  One
+        listing, batched deletes.  A failure here is logged.
+        """
+        try:
+            plan = plan_gc(self.store, self.keep_last, self.gc_grace, naming=self.naming, order=self.order, keep=keep)
+            plan.run(self.store)
+            for info in plan.pruned:
+                self.order.forget(info.prefix)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("%s: deleting old steps (keep_last=%s, gc_grace=%s) failed: %s", self.store.url, self.keep_last, self.gc_grace, e)
+
+    def close(self) -> None:
+        """Wait for deletions that outlasted their commit."""
+        self._collector.shutdown(wait=True)
