@@ -1,17 +1,22 @@
 """The object store: every byte dcpstore moves goes through this package.
 
-Layers, top down:
+Layers, top down; every import points down, none runs back up:
 
 - ``registry``: ``open_store(url)`` picks the store for a URL and the
   connection it shares with other stores over the same filesystem and bucket;
+- ``s3``: the S3 store, one retry loop under ``RetryPolicy``, paced by
+  ``throttle``'s request rates;
+- ``multipart``: streaming ``torch.save`` output into pooled parts, and
+  large in-memory objects in parts (it names what it needs of the S3 store
+  as a protocol, ``PartStore``, instead of importing it);
+- ``local``: ``file://`` with durable, atomic objects;
 - ``base``: the object-store vocabulary (``ObjectStore``: put, ranged get,
   exists, list, delete, multipart aborts; ``ObjectWriter``) over any fsspec
-  filesystem; ``local``: ``file://`` with durable, atomic objects;
-- ``s3``: the S3 request transport, one retry loop under ``RetryPolicy``,
-  paced by ``throttle``'s request rates;
-  ``multipart``: streaming ``torch.save`` output into pooled parts;
+  filesystem; ``throttle``: request rates per key range; ``body``: request
+  bodies and sinks;
 - ``connection``: what stores share (filesystem, thread pool, part buffers)
-  and the leases that free it when the last store closes;
+  and the leases that free it when the last store closes: each store holds
+  a lease, so the vocabulary sits above it;
 - ``translate``: retry classification and error translation;
   ``config``: ``TransferConfig`` and ``RetryPolicy``.
 """
@@ -33,6 +38,7 @@ __all__ = [
     "ObjectWriter",
     "RetryPolicy",
     "S3ObjectStore",
+    "StoreOwner",
     "ThrottleClock",
     "TransferConfig",
     "Tries",

@@ -18,15 +18,13 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import fsspec
 
 from ..errors import ConditionalWriteError, CorruptCheckpointError, ObjectNotFoundError
+from .connection import Connection
 from .translate import gave_up, is_retryable, translate_error
-
-if TYPE_CHECKING:
-    from .connection import Connection
 
 logger = logging.getLogger(__name__)
 

@@ -18,11 +18,11 @@ connection.  So an owner that closes what it opened (``ObjectStoreWriter``,
 from __future__ import annotations
 
 import concurrent.futures
+import mmap
 import threading
 from typing import Any
 
 from .config import TransferConfig
-from .multipart import PartBufferPool
 
 _pool_thread = threading.local()
 
@@ -86,3 +86,50 @@ class Connection:
                     initializer=_mark_pool_thread,
                 )
             return self._executor
+
+
+class PartBufferPool:
+    """Reused ``part_size`` buffers, and the budget of parts in flight, of one connection.
+
+    Buffers are allocated when no free one is left and kept for the next
+    writer; ``close()`` (the connection's last lease) frees them, and a
+    buffer handed back after that is freed at once.  Each buffer is an
+    anonymous ``mmap``, not a ``bytearray``: freeing it returns its pages to
+    the OS, where glibc keeps a freed 16 MiB ``bytearray`` resident in the
+    arena of the thread that freed it, and it costs memory only for the
+    bytes written into it.
+    """
+
+    def __init__(self, part_size: int, max_in_flight: int):
+        self.part_size = part_size
+        self.in_flight = threading.BoundedSemaphore(max_in_flight)
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def take(self) -> mmap.mmap:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return mmap.mmap(-1, self.part_size)
+
+    def give_back(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            if not self._closed:
+                self._free.append(buf)
+                return
+        _unmap(buf)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            free, self._free = self._free, []
+        for buf in free:
+            _unmap(buf)
+
+
+def _unmap(buf: mmap.mmap) -> None:
+    try:
+        buf.close()
+    except BufferError:  # a view of it is still alive; unmapped when that goes
+        pass

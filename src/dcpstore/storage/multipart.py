@@ -20,65 +20,41 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import mmap
-import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ObjectNotFoundError
 from .base import ObjectWriter, Tries
 from .body import Segments
 
 if TYPE_CHECKING:
-    from .s3 import S3ObjectStore
+    import mmap
+
+    from .base import MultipartUploadInfo
+    from .config import TransferConfig
+    from .connection import PartBufferPool
 
 logger = logging.getLogger(__name__)
 
 
-class PartBufferPool:
-    """Reused ``part_size`` buffers, and the budget of parts in flight, of one connection.
+class PartStore(Protocol):
+    """What a multipart upload needs of its store (``S3ObjectStore``): its request loop, its single PUT, its aborts.
 
-    Buffers are allocated when no free one is left and kept for the next
-    writer; ``close()`` (the connection's last lease) frees them, and a
-    buffer handed back after that is freed at once.  Each buffer is an
-    anonymous ``mmap``, not a ``bytearray``: freeing it returns its pages to
-    the OS, where glibc keeps a freed 16 MiB ``bytearray`` resident in the
-    arena of the thread that freed it, and it costs memory only for the
-    bytes written into it.
+    Named here so that this module does not import the store it serves.
     """
 
-    def __init__(self, part_size: int, max_in_flight: int):
-        self.part_size = part_size
-        self.in_flight = threading.BoundedSemaphore(max_in_flight)
-        self._free: list[mmap.mmap] = []
-        self._lock = threading.Lock()
-        self._closed = False
+    transfer: TransferConfig
 
-    def take(self) -> mmap.mmap:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-        return mmap.mmap(-1, self.part_size)
-
-    def give_back(self, buf: mmap.mmap) -> None:
-        with self._lock:
-            if not self._closed:
-                self._free.append(buf)
-                return
-        _unmap(buf)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            free, self._free = self._free, []
-        for buf in free:
-            _unmap(buf)
-
-
-def _unmap(buf: mmap.mmap) -> None:
-    try:
-        buf.close()
-    except BufferError:  # a view of it is still alive; unmapped when that goes
-        pass
+    def url_for(self, key: str) -> str: ...
+    def _split(self, key: str) -> tuple[str, str]: ...
+    def _submit(self, coro) -> concurrent.futures.Future: ...
+    def _run(self, coro) -> Any: ...
+    async def _call(self, op: str, key: str, method: str, **kwargs) -> Any: ...
+    def put(self, key: str, data, **options) -> None: ...
+    async def _list_uploads(self, prefix: str, folder: bool = True) -> list[MultipartUploadInfo]: ...
+    async def _abort(self, key: str, upload_id: str, *, in_save: bool = True) -> None: ...
+    def abort_upload(self, key: str, upload_id: str) -> None: ...
+    def abort_later(self, key: str, upload_id: str) -> None: ...
+    async def _check_condition_async(self, key: str, if_none_match: bool, if_match: str | None) -> None: ...
 
 
 class MultipartObjectWriter(ObjectWriter):
@@ -102,7 +78,7 @@ class MultipartObjectWriter(ObjectWriter):
     #: socket write and a drain, more than copying a small tensor (ViewBody.SLICE_BYTES).
     LEND_MIN_BYTES = 256 << 10
 
-    def __init__(self, store: S3ObjectStore, key: str, parts: PartBufferPool):
+    def __init__(self, store: PartStore, key: str, parts: PartBufferPool):
         self._store, self._key, self._pool = store, key, parts
         self._bucket, self._path = store._split(key)
         self._buf: mmap.mmap | None = None
@@ -298,7 +274,7 @@ class MultipartObjectWriter(ObjectWriter):
                 self._store.abort_later(self._key, self._upload_id)
 
 
-async def put_in_parts(store: S3ObjectStore, key: str, data, request: dict, **conditions) -> None:
+async def put_in_parts(store: PartStore, key: str, data, request: dict, **conditions) -> None:
     """Upload ``data`` (bytes-like) to ``key`` as a multipart upload, completed under ``conditions``.
 
     ``request``: what the PUT would carry (``Metadata``, and the caller's
