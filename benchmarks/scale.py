@@ -74,7 +74,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dcpstore import metadata_template, resume_index, safe_pickle
-from dcpstore.writer import ChecksummedWriteResult, ObjectStoreWriter
+from dcpstore.shard_writing import ChecksummedWriteResult
+from dcpstore.writer import ObjectStoreWriter
 
 REPLICATED = 4  # plain tensors every rank holds (norms, scalars)
 SIMULATED_NONCE = "0123456789abcdef"  # the save's nonce in the simulated shard names
