@@ -1,7 +1,7 @@
 """How often the bytes of a checkpoint are copied and passed over, counted in instrumented runs.
 
 The guard for the storage layer's per-byte cost (each copy or pass is
-0.1-0.9 CPU s/GiB, see ``storage.body``, ``s3.client_config`` and
+0.1-0.9 CPU s/GiB, see ``storage.body``, ``s3_requests.client_config`` and
 ``tensor_archive.save_tensor``):
 
 * save: a tensor's bytes are not copied in Python land: ``torch.save``'s

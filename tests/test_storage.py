@@ -512,7 +512,7 @@ def test_a_changed_endpoint_or_credential_environment_reaches_the_next_store_and
     import gc
     import weakref
 
-    from dcpstore.storage import s3 as s3_module
+    from dcpstore.storage import s3_requests as s3_module
 
     url = f"s3://{bucket}/env"
 

@@ -4,8 +4,8 @@ Layers, top down; every import points down, none runs back up:
 
 - ``registry``: ``open_store(url)`` picks the store for a URL and the
   connection it shares with other stores over the same filesystem and bucket;
-- ``s3``: the S3 store, one retry loop under ``RetryPolicy``, paced by
-  ``throttle``'s request rates;
+- ``s3``: the S3 store's operations, over ``s3_requests``: one retry loop
+  under ``RetryPolicy`` for every request, paced by ``throttle``'s rates;
 - ``multipart``: streaming ``torch.save`` output into pooled parts, and
   large in-memory objects in parts (it names what it needs of the S3 store
   as a protocol, ``PartStore``, instead of importing it);

@@ -105,7 +105,7 @@ class ViewBody(Payload):
     """A request body over ``views`` end to end, sent without a copy in Python.
 
     Its ``read``/``seek`` exist for botocore's type check and stream reset;
-    dcpstore's client configuration (``s3.client_config``: no payload
+    dcpstore's client configuration (``s3_requests.client_config``: no payload
     signing, checksums only when required) never makes botocore read it.
     """
 

@@ -161,7 +161,7 @@ class StoreOwner:
 
         The instance user code shares through fsspec's instance cache, not
         dcpstore's private client; dcpstore's writes and deletes show in its
-        listings (see ``s3.forget_listings``).
+        listings (see ``s3_requests.forget_listings``).
         """
         return url_to_fs(self.url, self.storage_options)[0]
 

@@ -18,7 +18,7 @@ about the capacity, and the rate stays finite (``RequestRate.succeeded``).
 botocore's adaptive retry mode does the same per client with a cubic curve,
 but it paces a whole client (every bucket and key range alike) and only
 inside botocore's retry handler, which dcpstore turns off to keep one retry
-policy (see ``s3.client_config``).
+policy (see ``s3_requests.client_config``).
 
 A key range here is a key's parent "folder" in its bucket: the objects of
 one checkpoint share one, and ``ObjectStoreWriter(key_spread=...)`` gives

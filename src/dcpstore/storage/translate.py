@@ -4,7 +4,7 @@ Both questions are answered here, after the fact, from the exception a
 request raised, for every store alike.  botocore answers the first one too,
 but only inside its own retry handler (on a ``RetryContext``, with private
 code lists), and dcpstore turns that handler off so that ``RetryPolicy`` is
-the one retry policy a request goes through (see ``s3.client_config``).
+the one retry policy a request goes through (see ``s3_requests.client_config``).
 botocore's ``ClientError`` carries the S3 code and HTTP status; this module
 maps them onto the ``dcpstore.errors`` types, each naming the object.
 """
