@@ -118,10 +118,34 @@ def s3(endpoint):
     return boto3.client("s3", endpoint_url=endpoint)
 
 
+# S3's documented write rate for one prefix: where a job that was told it starts (see throttle).
+S3_PREFIX_WRITE_RATE = 3500.0
+
+
 @pytest.fixture
-def bucket(s3):
+def bucket(s3, endpoint, request):
+    """A fresh bucket for the test.
+
+    The writes of this process start at S3's rate for it, as a job's do
+    (``TransferConfig.prefix_write_rate``, ``RateBook.share``), not in the
+    slow start of a writer that was told nothing: the test servers have no
+    request-rate limit, and that ramp, paid afresh in every test's new
+    bucket, was most of the time of the single-process tests.  A test of
+    pacing itself (``@pytest.mark.slow_start``, and every test with its own
+    ``ThrottleModel`` in ``test_throttling.py``) keeps the slow start.  Ranks
+    in processes of their own start as they would anyway.
+    """
+    from dcpstore.storage.s3_requests import server_of
+    from dcpstore.storage.throttle import RATES
+
     name = f"test-{uuid.uuid4().hex[:12]}"
     s3.create_bucket(Bucket=name)
+    if request.node.get_closest_marker("slow_start") is None:
+        servers = [server_of({})]  # the AWS environment's endpoint, which the endpoint fixture set
+        if "proxy" in request.fixturenames:
+            servers.append(server_of({"endpoint_url": request.getfixturevalue("proxy").endpoint}))
+        for server in servers:
+            RATES.share((server, name), "write", S3_PREFIX_WRITE_RATE)
     return name
 
 

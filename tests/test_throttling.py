@@ -31,6 +31,9 @@ from dcpstore.storage.throttle import RATES
 
 MiB = 1 << 20
 
+# Pacing is what these tests are about: every writer starts as one told nothing (see conftest's bucket).
+pytestmark = pytest.mark.slow_start
+
 
 def _store(bucket, proxy, prefix, **transfer):
     return open_store(
@@ -60,6 +63,7 @@ def test_other_transient_errors_stay_bounded_by_attempts(bucket, proxy):
     assert rule.hits == 3
 
 
+@pytest.mark.slow
 def test_stores_and_threads_of_a_process_share_one_rate_per_key_range(bucket, proxy):
     """Four stores on one prefix, four threads each, against a limit of 5 writes/s: few requests wasted.
 
@@ -113,6 +117,7 @@ def test_a_cut_for_one_key_range_leaves_the_others_alone(bucket, proxy):
     assert RATES.rate(scope, "ranges/cold", "write").rate >= 100.0
 
 
+@pytest.mark.slow
 def test_eight_ranks_commit_under_sustained_throttling_without_a_retry_storm(bucket, s3, proxy):
     """8 gloo ranks, plain dcp.save, one partition admitting 4 writes/s: every save commits bit-exact.
 
@@ -141,6 +146,7 @@ def test_eight_ranks_commit_under_sustained_throttling_without_a_retry_storm(buc
         assert torch.equal(loaded[k], v), k
 
 
+@pytest.mark.slow
 def test_eight_processes_without_a_process_group_commit_under_throttling_without_a_retry_storm(bucket, s3, proxy):
     """The same partition and tensors, but 8 processes, each its own plain dcp.save, no process group, no hint.
 
@@ -202,6 +208,7 @@ def test_key_spread_places_shards_under_hashed_sub_prefixes_that_stock_readers_l
         assert all(torch.equal(out[k], sd[k]) for k in sd)
 
 
+@pytest.mark.slow
 def test_a_save_has_one_throttling_budget_not_one_per_request(bucket, proxy):
     """Every write of the save is throttled: the save fails once its one budget is spent, naming an object."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -220,6 +227,7 @@ def test_a_save_has_one_throttling_budget_not_one_per_request(bucket, proxy):
     assert time.monotonic() - t0 < (budget + 10) * deadline_scale()
 
 
+@pytest.mark.slow
 def test_a_slow_upload_leaves_the_saves_throttle_budget_unspent(bucket, s3, proxy):
     """The budget counts time the save spent throttled, not time spent uploading.
 
@@ -425,6 +433,7 @@ def test_a_rate_nothing_calibrated_starts_low_doubles_while_paced_and_drops_to_w
     assert first.calibrated and first.rate == 3500 / 8
 
 
+@pytest.mark.slow
 def test_a_background_abort_is_not_bound_by_the_saves_spent_throttle_budget(bucket, s3, proxy):
     """An abort that failed in the save goes on in the background, where a SlowDown is retried, not the end of a round."""
     from dcpstore.storage.throttle import ThrottleClock

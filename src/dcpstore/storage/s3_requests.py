@@ -93,7 +93,7 @@ def _client_environment() -> str:
     return hashlib.sha256(repr([os.environ.get(name) for name in _CLIENT_ENVIRONMENT]).encode()).hexdigest()
 
 
-def _server(storage_options: dict[str, Any]) -> str:
+def server_of(storage_options: dict[str, Any]) -> str:
     """The endpoint a client made now with ``storage_options`` sends to, as botocore picks it.
 
     An explicit ``endpoint_url``, else botocore's own resolution: the
@@ -146,7 +146,7 @@ class S3Requests(ObjectStore):
                 ours, theirs = client_config(transfer), options.get("config_kwargs", {})
                 options["config_kwargs"] = {**ours, **theirs, "s3": {**ours["s3"], **theirs.get("s3", {})}}
                 options.setdefault("skip_instance_cache", True)
-                server = _server(storage_options)  # before anything is kept: a bad profile raises here, every time
+                server = server_of(storage_options)  # before anything is kept: a bad profile raises here, every time
                 fs = url_to_fs(f"{protocol}://{rest.partition('/')[0]}", options)[0]
                 _filesystems[key] = (environment, fs)
                 _servers[id(fs)] = server
