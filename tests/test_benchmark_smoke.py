@@ -21,6 +21,7 @@ def _run_harness(out_dir, *extra, env=None):
     return out, json.loads((out_dir / "results.json").read_text())
 
 
+@pytest.mark.slow
 def test_benchmark_harness_runs_end_to_end(tmp_path):
     out, results = _run_harness(tmp_path, "--no-s3torchconnector")
     summary = results["runs"][0]["summary"]
@@ -54,6 +55,7 @@ def test_benchmark_harness_against_an_external_server(tmp_path, rgw_gateway):
         assert ("error" in row and f"{name}  " in out.stdout and "failed: " in out.stdout) or row["commit_s"] > 0, name
 
 
+@pytest.mark.slow
 def test_load_profile_measures_threads_and_splits_samples_by_stage(tmp_path):
     """Without py-spy: the loads, their CPU per thread, the reference costs; then a profile summed by stage."""
     out = subprocess.run(

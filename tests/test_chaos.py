@@ -17,15 +17,15 @@ reader:
   the committed bytes are that job's;
 * no multipart upload is left open after a clean ``close()``.
 
-``DCPSTORE_CHAOS_ITERATIONS`` (default 6, each fault kind once per round of
-12) and ``DCPSTORE_CHAOS_SEED`` set
-the run; a summary line is printed (``pytest -s`` shows it).
+The default tier runs 2 iterations (``test_chaos[short]``); the ``slow``
+tier runs the campaign, ``DCPSTORE_CHAOS_ITERATIONS`` (default 6, each fault
+kind once per round of 12).  ``DCPSTORE_CHAOS_SEED`` sets both; a summary
+line is printed (``pytest -s`` shows it).
 """
 
 from __future__ import annotations
 
 import collections
-import multiprocessing as mp
 import os
 import queue
 import random
@@ -40,9 +40,11 @@ import torch.distributed.checkpoint as dcp
 
 import dcpstore
 from chaos_worker import BIG, ROWS, full_state, rank_main
+from dist_utils import rank_context
 from s3server import ThrottleModel
 
-ITERATIONS = int(os.environ.get("DCPSTORE_CHAOS_ITERATIONS", "6"))
+ITERATIONS = int(os.environ.get("DCPSTORE_CHAOS_ITERATIONS", "6"))  # the campaign's (slow tier)
+SHORT_ITERATIONS = 2  # the default tier's
 SEED = int(os.environ.get("DCPSTORE_CHAOS_SEED", "20261203"))
 COLLECTIVE_TIMEOUT = 15  # seconds; bounds how long live ranks wait on a dead one
 COMMIT_WINDOW = 10  # seconds; well above the proxy's 1 s hold of the .metadata PUT
@@ -103,7 +105,7 @@ class _Job:
 
 def _run_jobs(jobs_spec, on_request=None, deadline_s: float = 600) -> list[_Job]:
     """Run jobs to the end, routing reports; ``on_request`` may kill ranks as requests pass."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     jobs = {name: _Job(ctx, results, name, ws, spec) for name, ws, spec in jobs_spec}
     stop = threading.Event()
@@ -299,21 +301,25 @@ class _Iteration:
             self.fail("step saved after resume does not load bit-exact")
 
 
-@pytest.mark.timeout(300 + 90 * ITERATIONS)  # a campaign runs longer than the suite's per-test bound
-def test_chaos(bucket, s3, proxy):
+@pytest.mark.parametrize(
+    "iterations",
+    [pytest.param(SHORT_ITERATIONS, id="short"), pytest.param(ITERATIONS, id="campaign", marks=pytest.mark.slow)],
+)
+@pytest.mark.timeout(300 + 90 * max(ITERATIONS, SHORT_ITERATIONS))  # a campaign runs longer than the suite's per-test bound
+def test_chaos(bucket, s3, proxy, iterations):
     rng = random.Random(SEED)
     counts: collections.Counter = collections.Counter()
     violations: list[str] = []
     t0 = time.monotonic()
     # Every kind once per round, in a seeded order, so short runs still cover the kills.
-    order = [f for _ in range(ITERATIONS // len(FAULTS) + 1) for f in rng.sample(FAULTS, len(FAULTS))]
-    for i in range(ITERATIONS):
+    order = [f for _ in range(iterations // len(FAULTS) + 1) for f in rng.sample(FAULTS, len(FAULTS))]
+    for i in range(iterations):
         it = _Iteration(i, order[i], rng, bucket, s3, proxy)
         counts[it.fault] += 1
         it.run()
         violations += it.violations
     summary = (
-        f"chaos: {ITERATIONS} iterations (seed {SEED}) in {time.monotonic() - t0:.0f}s; "
+        f"chaos: {iterations} iterations (seed {SEED}) in {time.monotonic() - t0:.0f}s; "
         f"faults: {dict(sorted(counts.items()))}; violations: {len(violations)}"
     )
     print(summary)

@@ -89,7 +89,7 @@ def test_plans_are_exchanged_once_then_reused(world_size, planning, plan_collect
 
 
 @pytest.mark.also_rgw(world_size=2)
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_resume_reuses_persisted_plans_and_falls_back_on_change(world_size, bucket, proxy):
     root = f"s3://{bucket}/run"
     (_, final, _), *_ = run_ranks(checkpointer_three_saves, world_size, root, "central").values()

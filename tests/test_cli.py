@@ -164,6 +164,7 @@ def test_help_on_every_command(command):
     assert out.returncode == 0 and "usage: dcpstore" in out.stdout
 
 
+@pytest.mark.slow
 def test_demo_kills_and_resumes(moto_endpoint):
     out = subprocess.run(
         [sys.executable, "-m", "dcpstore.cli", "demo", "--steps", "60", "--save-every", "20"],

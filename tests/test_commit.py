@@ -37,6 +37,7 @@ def _save_via(proxy, bucket, **writer):
     return sd
 
 
+@pytest.mark.slow
 @pytest.mark.also_rgw(then="throttled")
 @pytest.mark.parametrize("then", ["throttled", "timeout"])
 def test_a_commit_whose_answer_is_lost_is_committed(bucket, s3, proxy, then):
@@ -55,6 +56,7 @@ def test_a_commit_whose_answer_is_lost_is_committed(bucket, s3, proxy, then):
     assert_state_dict_equal(load(zeros_like_state_dict(sd), f"s3://{bucket}/ckpt"), sd)
 
 
+@pytest.mark.slow
 def test_a_commit_that_lands_after_the_deadline_is_committed(bucket, s3, proxy):
     """Every attempt is held past its read timeout and lands after the commit window closed."""
     proxy.add("PUT", METADATA, delay=FAST.read_timeout + 0.5)
@@ -63,7 +65,9 @@ def test_a_commit_that_lands_after_the_deadline_is_committed(bucket, s3, proxy):
     assert_state_dict_equal(load(zeros_like_state_dict(sd), f"s3://{bucket}/ckpt"), sd)
 
 
-@pytest.mark.parametrize("status,code", [(504, "GatewayTimeout"), (500, "InternalError")])
+@pytest.mark.parametrize(
+    "status,code", [(504, "GatewayTimeout"), pytest.param(500, "InternalError", marks=pytest.mark.slow)]
+)
 def test_a_commit_answered_with_a_server_error_that_lands_later_is_committed(bucket, s3, proxy, status, code):
     """A gateway answers every .metadata PUT with an error at once; the store completes the first one later.
 
@@ -80,6 +84,7 @@ def test_a_commit_answered_with_a_server_error_that_lands_later_is_committed(buc
     assert_state_dict_equal(load(zeros_like_state_dict(sd), f"s3://{bucket}/ckpt"), sd)
 
 
+@pytest.mark.slow
 def test_a_commit_refused_every_time_fails_and_leaves_no_metadata(bucket, s3, proxy):
     """Every attempt is answered (throttled): no .metadata can exist, and the error names the object."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -93,6 +98,7 @@ def test_a_commit_refused_every_time_fails_and_leaves_no_metadata(bucket, s3, pr
     assert not object_exists(s3, bucket, "ckpt/.metadata")
 
 
+@pytest.mark.slow
 def test_an_unreadable_outcome_is_unknown_and_keeps_the_shards(bucket, s3, proxy):
     """Answer lost, retries throttled, and the read-back throttled too: neither committed nor failed."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -114,6 +120,7 @@ def test_an_unreadable_outcome_is_unknown_and_keeps_the_shards(bucket, s3, proxy
     assert_state_dict_equal(load(zeros_like_state_dict(sd), f"s3://{bucket}/ckpt"), sd)
 
 
+@pytest.mark.slow
 def test_every_rank_reports_a_commit_whose_answer_was_lost(bucket, s3, proxy):
     """AsyncCheckpointer, 2 gloo ranks: committed on both, shards intact, step loads bit-exact."""
     proxy.add("PUT", r"/run/step_00000001/\.metadata$", drop_response=True, times=1)
@@ -126,6 +133,7 @@ def test_every_rank_reports_a_commit_whose_answer_was_lost(bucket, s3, proxy):
         assert_loaded(r)
 
 
+@pytest.mark.slow
 def test_ranks_agree_when_the_coordinators_work_before_the_put_outlasts_their_wait(bucket, s3, proxy):
     """The resume index PUT stalls past the peers' collective timeout (4 s here, connect and read 1 s, window 1 s).
 
@@ -143,6 +151,7 @@ def test_ranks_agree_when_the_coordinators_work_before_the_put_outlasts_their_wa
     assert not object_exists(s3, bucket, "run/step_00000001/.metadata")
 
 
+@pytest.mark.slow
 def test_retention_that_outlasts_the_peers_wait_leaves_the_group_in_step(bucket, s3, proxy):
     """keep_last=1: step 2's commit deletes step 1, and every delete stalls past the read timeout five times over.
 
@@ -167,13 +176,20 @@ def test_retention_that_outlasts_the_peers_wait_leaves_the_group_in_step(bucket,
     assert object_exists(s3, bucket, "run/step_00000002/.metadata")
 
 
-@pytest.mark.parametrize("step", [1, 3], ids=["full-commit", "patched-commit"])
-@pytest.mark.parametrize("after_put", [False, True], ids=["dies-before-the-put", "dies-after-it-landed"])
+@pytest.mark.parametrize(
+    "after_put,step",
+    [  # the default tier runs the last; the slow tier the three that wait out longer bounds
+        pytest.param(False, 1, id="dies-before-the-put-full-commit", marks=pytest.mark.slow),
+        pytest.param(False, 3, id="dies-before-the-put-patched-commit", marks=pytest.mark.slow),
+        pytest.param(True, 1, id="dies-after-it-landed-full-commit", marks=pytest.mark.slow),
+        pytest.param(True, 3, id="dies-after-it-landed-patched-commit"),
+    ],
+)
 def test_time_to_an_outcome_when_the_coordinator_dies_at_the_commit(bucket, s3, after_put, step):
     """3 gloo ranks; rank 0 dies at the .metadata PUT of step 1, or of step 3 (a patched commit: no object collective).
     The others report what storage shows, within the bound.
 
-    The bound is the README's: the collective timeout (20 s in the worker;
+    The bound is docs/guarantees.md's: the collective timeout (20 s in the worker;
     a socket that closes sooner is settled as a timeout, since the
     coordinator might be alive and still committing), then commit_window +
     connect + read timeout + 1 s, plus 1 s of jitter and slack for a busy

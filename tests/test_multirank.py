@@ -35,7 +35,7 @@ def assert_loaded(result, seed=0):
 
 
 @pytest.mark.also_rgw(world_size=2)
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_sharded_round_trip_reshard_and_stock_reader(world_size, bucket, s3):
     url = f"s3://{bucket}/ckpt"
     local_plans = run_ranks(save_sharded, world_size, url, 0)

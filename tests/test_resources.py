@@ -101,7 +101,7 @@ def two_roots(request, tmp_path):
     return tuple(f"s3://{name}/run" for name in buckets)
 
 
-@pytest.mark.parametrize("two_roots", ["file", "s3"], indirect=True)
+@pytest.mark.parametrize("two_roots", ["file", pytest.param("s3", marks=pytest.mark.slow)], indirect=True)
 def test_thirty_async_saves_leave_no_threads_or_memory_behind(two_roots):
     warm_up, root = two_roots
     save_steps(warm_up, 1)

@@ -49,7 +49,7 @@ def _index_gets(proxy, prefix):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_each_rank_resumes_from_its_own_block_with_one_ranged_get(world_size, bucket, s3, proxy):
     root = f"s3://{bucket}/run"
     (_, final, _), *_ = run_ranks(checkpointer_three_saves, world_size, root, "central").values()
@@ -98,6 +98,7 @@ def test_a_resharded_resume_reads_metadata(bucket, s3, proxy):
         assert_same(loaded, final)
 
 
+@pytest.mark.slow
 def test_the_coordinators_read_of_metadata_never_holds_up_training(bucket, s3, proxy):
     """The coordinator's GET of .metadata (for its next commit) is answered late; its save() returns before that.
 

@@ -33,6 +33,7 @@ def assert_same(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.slow
 def test_a_killed_job_resumes_its_newest_committed_step_reuses_its_plans_and_reshards(bucket, s3, proxy, tmp_path):
     """2 ranks, async: steps 2, 4, 6 commit, SIGKILL during step 8's upload; a restart resumes 6 bit-exact.
 
@@ -75,6 +76,7 @@ def test_stock_torchtitan_and_dcpstore_resume_each_others_steps_in_one_process(b
     assert_same(resumed_stock_2, stock_state_2)  # stock steps after dcpstore's are newer, though unsequenced
 
 
+@pytest.mark.slow
 def test_a_rollback_saves_the_abandoned_step_numbers_again(bucket):
     """load_step=2 after 4 committed: saves 3 and 4 replace the abandoned ones (steps are never overwritten in place)."""
     (result,) = run_ranks(rollback, 1, f"s3://{bucket}/run").values()
@@ -84,6 +86,7 @@ def test_a_rollback_saves_the_abandoned_step_numbers_again(bucket):
     assert_same(resumed, redone)
 
 
+@pytest.mark.slow
 def test_a_rollback_deletes_only_the_abandoned_steps_it_saves_again(bucket):
     """An explicit load_step deletes nothing by itself; a save deletes one committed step only when it reuses its number.
 
@@ -99,6 +102,7 @@ def test_a_rollback_deletes_only_the_abandoned_steps_it_saves_again(bucket):
     assert after_seed == after_rollback
 
 
+@pytest.mark.slow
 def test_failed_saves_never_cost_a_committed_step_and_debris_goes(bucket, s3, proxy):
     """keep_latest_k=2 while saves 3 and 4 fail: 1 and 2 stay; after 5 commits, 2 and 5, and stale debris is deleted."""
     for method in ("PUT", "POST"):
@@ -147,6 +151,7 @@ def test_one_config_line_selects_the_manager_and_torchtitan_stays_optional():
     assert out.returncode == 0, out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_the_torchtitan_benchmark_runs_end_to_end(tmp_path):
     """One tiny round of benchmarks.torchtitan (nothing is timed here)."""
     import json
