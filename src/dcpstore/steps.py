@@ -64,7 +64,7 @@ of a save that replaced the tombstone meanwhile.  The argument needs the
 store to enforce both conditions: S3 does; ``file://`` creates atomically
 (``os.link``) but replaces by check-then-rename, exact within one process;
 Ceph RGW ignores conditions on a multipart completion, so a ``.metadata``
-above ``multipart_threshold`` is checked by a HEAD just before (README).
+above ``multipart_threshold`` is checked by a HEAD just before (docs/development.md).
 """
 
 from __future__ import annotations

@@ -317,8 +317,8 @@ class ObjectStore:
             return
         # Generic fsspec filesystems have no conditional writes: check, then
         # write, under a process-wide lock.  Exact within one process (as for
-        # memory://); across processes it is a check-then-act race, as the
-        # README says.
+        # memory://); across processes it is a check-then-act race, as
+        # docs/guarantees.md says ("Two jobs on one root").
         with conditional_lock:
             self._check_condition(key, if_none_match, if_match)
             self._write(key, data)

@@ -284,7 +284,7 @@ async def put_in_parts(store: PartStore, key: str, data, request: dict, **condit
     the object appear (and so the only one whose lost answer can leave the
     outcome unknown).  The condition is also checked by a HEAD just before
     the completion, for servers that do not enforce it there (Ceph RGW
-    16.2: see README, "Development").  Parts are views of ``data``, at most
+    16.2: see docs/development.md).  Parts are views of ``data``, at most
     ``max_concurrency`` in flight.  Any failure aborts the upload: a refused
     or failed commit leaves no parts behind (or ``abort_later`` keeps
     trying).  A retried completion answered ``NoSuchUpload`` means an
