@@ -73,7 +73,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from dcpstore import metadata_template, resume_index, safe_pickle
+from dcpstore import metadata_template, resume_index, resume_share, safe_pickle
 from dcpstore.shard_writing import ChecksummedWriteResult
 from dcpstore.writer import ObjectStoreWriter
 
@@ -288,7 +288,7 @@ def _rss_child(kind: str, path: str) -> int:
     gc.collect()
     before = status("VmRSS:")
     if kind == "share":
-        kept = resume_index.share_metadata(resume_index.read_block(_OneObject(), entry), entry, "bench", segments)
+        kept = resume_share.share_metadata(resume_share.read_block(_OneObject(), entry), entry, "bench", segments)
     else:
         kept = safe_pickle.loads_metadata(raw, "bench")
     peak = status("VmHWM:")
@@ -326,8 +326,8 @@ def steady_commits(captured: ObjectStoreWriter, world_size: int) -> dict:
     committed = captured.raw
     with PeakRSS() as peak:
         t0 = time.perf_counter()
-        directory = resume_index.read_directory(store, pointer, world_size)
-        layout = resume_index.read_layout(store, directory)
+        directory = resume_share.read_directory(store, pointer, world_size)
+        layout = resume_share.read_layout(store, directory)
         resumed = metadata_template.CommitTemplate.from_stored(
             committed, layout.template, object(), layout.counts, layout.checksums, layout, layout.template_of
         )
@@ -387,16 +387,16 @@ def measure(world_size: int, items_per_rank: int, *, repeat: int, safe_read_max:
     if world_size >= 2:
         store = captured.store
         pointer = resume_index.pointer_of(loaded)
-        directory = resume_index.read_directory(store, pointer, world_size)
-        entry = resume_index.rank_entry(directory, rank, resume_index.read_values(store, directory))
+        directory = resume_share.read_directory(store, pointer, world_size)
+        entry = resume_share.rank_entry(directory, rank, resume_share.read_values(store, directory))
         offset, length, _ = entry["block"]
-        segments = resume_index.read_segments(store, entry)
-        share = resume_index.share_metadata(resume_index.read_block(store, entry), entry, "bench", segments)
+        segments = resume_share.read_segments(store, entry)
+        share = resume_share.share_metadata(resume_share.read_block(store, entry), entry, "bench", segments)
         assert len(share.metadata.storage_data) == len(share.local_plan.items)
 
         def read_share():
-            return resume_index.share_metadata(
-                resume_index.read_block(store, entry), entry, "bench", resume_index.read_segments(store, entry)
+            return resume_share.share_metadata(
+                resume_share.read_block(store, entry), entry, "bench", resume_share.read_segments(store, entry)
             )
 
         row.update(

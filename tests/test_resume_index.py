@@ -25,7 +25,7 @@ from dist_utils import run_ranks
 from test_checkpointer import assert_same
 from workers import OBJECT_COLLECTIVES, checkpointer_resume_logged, checkpointer_resume_then_save, checkpointer_three_saves, load_with_state_dict
 
-from dcpstore import planner_data, resume_index
+from dcpstore import planner_data, resume_index, resume_share
 from dcpstore.plan_cache import PlanCache, describe_source
 from dcpstore.cli import main
 from dcpstore.planner_data import INDEX_KEY
@@ -218,7 +218,7 @@ def test_an_older_dcpstores_index_is_an_ordinary_miss_not_damage():
 
     pointer = {"key": ".dcpstore-index-x", "save_id": "x", "directory": [0, len(directory), hashlib.sha256(directory).hexdigest()]}
     with pytest.raises(resume_index.IndexUnusable, match="an older index") as raised:
-        resume_index.read_directory(_Store(), pointer, 2)
+        resume_share.read_directory(_Store(), pointer, 2)
     assert not raised.value.damaged
 
 
@@ -237,7 +237,7 @@ SEGMENTS = {0: ("0123456789abcdef", [12345] * (resume_index.MAX_CHUNKS_PER_FQN +
 
 def test_a_well_formed_block_gives_the_ranks_share_and_its_plans():
     block = {"fqns": [_tensor_row()], "items": [_item_row()], "plan_data": {"dict": {"w": {"tuple": [{"v": "w"}]}}}}
-    share = resume_index.share_metadata(block, ENTRY, "s3://b/ck", SEGMENTS)
+    share = resume_share.share_metadata(block, ENTRY, "s3://b/ck", SEGMENTS)
     md = share.metadata.state_dict_metadata["w"]
     assert md.size == torch.Size([4]) and md.properties.dtype is torch.float32
     assert [c.offsets for c in md.chunks] == [torch.Size([0])]
@@ -267,7 +267,7 @@ def test_a_well_formed_block_gives_the_ranks_share_and_its_plans():
 )
 def test_a_malformed_block_is_refused_by_name_never_built(block):
     with pytest.raises(resume_index.IndexUnusable, match="s3://b/ck|planner_data"):
-        resume_index.share_metadata(block, ENTRY, "s3://b/ck", SEGMENTS)
+        resume_share.share_metadata(block, ENTRY, "s3://b/ck", SEGMENTS)
 
 
 def _hostile(element: bytes, inflated: int) -> bytes:
@@ -309,9 +309,9 @@ def test_a_hostile_block_at_the_caps_is_refused_or_parsed_within_256_mib(element
     try:
         if refused:
             with pytest.raises(resume_index.IndexUnusable, match="could take .* MiB of memory|does not parse|not ASCII"):
-                resume_index.read_block(store, entry)
+                resume_share.read_block(store, entry)
         else:
-            assert len(resume_index.read_block(store, entry)["fqns"]) > 0
+            assert len(resume_share.read_block(store, entry)["fqns"]) > 0
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -336,14 +336,14 @@ def test_nesting_in_plan_data_is_bounded():
     for _ in range(100):
         node = {"list": [node]}
     with pytest.raises(resume_index.IndexUnusable):
-        resume_index.share_metadata({"fqns": [], "items": [], "plan_data": node}, ENTRY, "s3://b/ck", SEGMENTS)
+        resume_share.share_metadata({"fqns": [], "items": [], "plan_data": node}, ENTRY, "s3://b/ck", SEGMENTS)
 
 
 def test_chunks_of_one_fqn_are_capped_since_their_keys_hash_predictably():
     rows = [_item_row(offsets=(n,), sizes=(1,)) for n in range(resume_index.MAX_CHUNKS_PER_FQN + 1)]
     block = {"fqns": [_tensor_row(size=(resume_index.MAX_CHUNKS_PER_FQN + 1,))], "items": rows}
     with pytest.raises(resume_index.IndexUnusable, match="chunks of 'w'"):
-        resume_index.share_metadata(block, ENTRY, "s3://b/ck", SEGMENTS)
+        resume_share.share_metadata(block, ENTRY, "s3://b/ck", SEGMENTS)
 
 
 # -- a field torch adds to TensorProperties later (torch 2.15 added ``strides``) ---------------
@@ -375,7 +375,7 @@ def test_a_field_both_torches_have_is_carried_and_the_plan_is_reused(monkeypatch
     monkeypatch.setattr(resume_index, "TensorProperties", FutureProperties)
     block, entry, local = _share_of(FutureProperties(dtype=torch.bfloat16, sparsity=3))
     assert block["fqns"][0][3]["sparsity"] == {"v": 3}  # stored by name, like every other field
-    share = resume_index.share_metadata(block, entry, "s3://b/ck", SEGMENTS)
+    share = resume_share.share_metadata(block, entry, "s3://b/ck", SEGMENTS)
     assert share.metadata.state_dict_metadata["w"].properties == FutureProperties(dtype=torch.bfloat16, sparsity=3)
     cache = PlanCache()
     assert cache.fill_from_share(share.local_plan, share.final_plan, rank=1, world_size=2, planner=DefaultSavePlanner(),
@@ -387,13 +387,13 @@ def test_a_field_the_reading_torch_lacks_is_refused_by_name():
     written = FutureProperties(dtype=torch.bfloat16, sparsity=3)
     block, entry, _ = _share_of(written, written_by="9.9.0")
     with pytest.raises(resume_index.IndexUnusable, match=r"'w': TensorProperties.sparsity \(written by torch 9.9.0\) is not a field of torch"):
-        resume_index.share_metadata(block, entry, "s3://b/ck", SEGMENTS)
+        resume_share.share_metadata(block, entry, "s3://b/ck", SEGMENTS)
 
 
 def test_a_field_the_writing_torch_lacked_takes_its_default_and_the_miss_names_it(monkeypatch):
     block, entry, _ = _share_of(TensorProperties(dtype=torch.bfloat16), written_by="2.0.0")
     monkeypatch.setattr(resume_index, "TensorProperties", FutureProperties)
-    share = resume_index.share_metadata(block, entry, "s3://b/ck", SEGMENTS)
+    share = resume_share.share_metadata(block, entry, "s3://b/ck", SEGMENTS)
     assert share.metadata.state_dict_metadata["w"].properties == FutureProperties(dtype=torch.bfloat16, sparsity=0)
     cache = PlanCache()
     assert cache.fill_from_share(share.local_plan, share.final_plan, rank=1, world_size=2, planner=DefaultSavePlanner(),

@@ -146,7 +146,7 @@ def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
 
     from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
 
-    from . import planner_data, resume_index
+    from . import planner_data, resume_share
 
     from .reader import read_metadata, undo_transforms
     from .safe_pickle import check_bytes_item
@@ -170,7 +170,7 @@ def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
                 f"{store.url_for(info.relative_path)}: truncated: {index.fqn!r} needs bytes up to "
                 f"{info.offset + info.length}, object has {sizes[info.relative_path]}"
             )
-    problems += resume_index.check(store, metadata, sizes, deep)
+    problems += resume_share.check(store, metadata, sizes, deep)
     if not deep or problems:
         return problems
     for index, info in (_progress(list(storage.items()), "verify", "item") if progress else storage.items()):

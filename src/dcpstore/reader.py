@@ -48,7 +48,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from . import planner_data, resume_index
+from . import planner_data, resume_index, resume_share
 from .errors import (
     BucketNotFoundError,
     CheckpointNotFoundError,
@@ -183,7 +183,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
                 return self.use_metadata(share.metadata)
         return self.use_metadata_bytes(read_metadata_bytes(self.store))
 
-    def _share_from_index(self) -> resume_index.Share | None:
+    def _share_from_index(self) -> resume_share.Share | None:
         """This rank's share of the checkpoint from the resume index, or ``None`` (logged) to read ``.metadata``."""
         group = dist.is_available() and dist.is_initialized()
         rank, world_size = (dist.get_rank(), dist.get_world_size()) if group else (0, 1)
@@ -191,9 +191,9 @@ class ObjectStoreReader(StorageReader, StoreOwner):
             pointer = resume_index.pointer_from_head(self.store)
             if pointer is None:
                 raise resume_index.IndexUnusable("the checkpoint has no resume index", damaged=False)
-            directory = resume_index.read_directory(self.store, pointer, world_size)
+            directory = resume_share.read_directory(self.store, pointer, world_size)
             state_dict = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in self.state_dict.items()}
-            return resume_index.read_share(self.store, resume_index.rank_entry(directory, rank), state_dict, self.checkpoint_id)
+            return resume_share.read_share(self.store, resume_share.rank_entry(directory, rank), state_dict, self.checkpoint_id)
         except resume_index.IndexUnusable as e:
             (logger.warning if e.damaged else logger.info)("%s: rank %d reads .metadata: %s", self.checkpoint_id, rank, e)
         except ObjectNotFoundError:

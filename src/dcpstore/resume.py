@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
-from . import resume_index
+from . import resume_index, resume_share
 from .collectives import Collectives, describe
 from .errors import CheckpointLoadError, CheckpointNotFoundError, DcpstoreError, ObjectNotFoundError
 from .layout import METADATA_KEY, StepNaming
@@ -162,15 +162,15 @@ class Resume:
         if directory is None:
             return None
         try:
-            return resume_index.rank_entry(directory, rank, directory["values_read"])
+            return resume_share.rank_entry(directory, rank, directory["values_read"])
         except resume_index.IndexUnusable as e:
             logger.warning("rank %d falls back to .metadata: %s", rank, e)
             return None
 
-    def _read_share(self, reader: ObjectStoreReader, entry: dict, flat_sd: dict, url: str) -> resume_index.Share | None:
+    def _read_share(self, reader: ObjectStoreReader, entry: dict, flat_sd: dict, url: str) -> resume_share.Share | None:
         """This rank's share of the checkpoint from its index block (``entry``), or ``None`` (logged) to read ``.metadata``."""
         try:
-            return resume_index.read_share(reader.store, entry, flat_sd, url)
+            return resume_share.read_share(reader.store, entry, flat_sd, url)
         except resume_index.IndexUnusable as e:
             (logger.warning if e.damaged else logger.info)("%s: rank %d falls back to .metadata: %s", url, self.coll.rank, e)
         except Exception as e:  # noqa: BLE001 - every rank must reach the all_min that decides the fallback
@@ -233,7 +233,7 @@ class Resume:
 
         unparsed = UnparsedMetadata(parse)
         try:
-            layout = resume_index.read_layout(reader.store, directory)
+            layout = resume_share.read_layout(reader.store, directory)
             body = raw if raw is not None else read_metadata_bytes(reader.store)
             template = CommitTemplate.from_stored(
                 body, layout.template, unparsed, layout.counts, layout.checksums, layout, layout.template_of
@@ -298,8 +298,8 @@ class Resume:
                 pointer = resume_index.pointer_of(parse_metadata(raw, store.url_for(METADATA_KEY)))
             if pointer is None:
                 raise resume_index.IndexUnusable("the checkpoint has no resume index", damaged=False)
-            directory = resume_index.read_directory(store, pointer, self.coll.world_size)
-            return {**directory, "values_read": resume_index.read_values(store, directory)}, raw
+            directory = resume_share.read_directory(store, pointer, self.coll.world_size)
+            return {**directory, "values_read": resume_share.read_values(store, directory)}, raw
         except resume_index.IndexUnusable as e:
             if self.coll.world_size > 1:
                 (logger.warning if e.damaged else logger.info)(
