@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import sys
-import time
 import zlib
 
 from tqdm import tqdm
