@@ -312,7 +312,7 @@ def steady_commits(captured: ObjectStoreWriter, world_size: int) -> dict:
     store = captured.store
     keys = [captured._index_key]
     next_save(captured, SIMULATED_NONCE[::-1])
-    values = steady_values(captured._template)
+    values = steady_values(captured.builder.template)
     with PeakRSS() as peak:
         t0 = time.perf_counter()
         assert captured.commit_patched(values)
@@ -333,7 +333,7 @@ def steady_commits(captured: ObjectStoreWriter, world_size: int) -> dict:
         )
         resume_s = time.perf_counter() - t0
     out.update(resume_template_s=resume_s, resume_template_rss=peak.growth)
-    captured.use_template(resumed)
+    captured.builder.use_template(resumed)
     next_save(captured, "0f1e2d3c4b5a6978")
     values = steady_values(resumed, seed=1)
     with PeakRSS() as peak:

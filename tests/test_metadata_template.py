@@ -118,7 +118,7 @@ def test_a_template_read_back_from_its_map_is_the_one_that_made_it_or_is_refused
     _, central, metadata = global_step(plans)
     writer, _ = finish(plans, metadata, write_results(central))
     writer.close()
-    template, raw = writer._template, writer.raw
+    template, raw = writer.builder.template, writer.raw
     assert template is not None and template.index is not None and bytes(template.template.raw) == raw
 
     def read_back(body: bytes, stored: bytes = template.stored_map()):
@@ -208,7 +208,7 @@ def test_a_patched_commit_that_loses_the_race_for_its_step_is_refused_and_delete
         held.set()
         with pytest.raises(dcpstore.CheckpointSaveError, match="refused"):
             handle.result()
-        assert loser._writer.patched_commit  # the refused .metadata was the patched one
+        assert loser._writer.builder.patched_commit  # the refused .metadata was the patched one
     metadata = read_metadata_raw(s3, bucket, "run/step_00000003")
     names = {info.relative_path for info in metadata.storage_data.values()}
     keys = {o["Key"].rsplit("/", 1)[1] for o in s3.list_objects_v2(Bucket=bucket, Prefix="run/step_00000003/")["Contents"]}

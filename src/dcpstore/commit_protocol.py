@@ -115,9 +115,9 @@ class CommitProtocol:
         a refused one (once, in ``ObjectStoreWriter.commit``), nobody after
         an unknown one.
         """
-        vote = writer.patch_vote(results) if error is None else None
+        vote = writer.builder.vote(results, writer.save_id) if error is None else None
         template_id, values = vote if vote is not None else (0, numpy.zeros(0, numpy.int64))
-        if self.coll.is_coordinator and template_id != writer.template_id(metadata):
+        if self.coll.is_coordinator and template_id != writer.builder.template_id(metadata):
             template_id = 0  # this rank wrote as the template says, but the template is of another save
         if self.coll.is_coordinator and self.coll.enabled:
             # The coordinator's last moment to start a patched .metadata PUT: no
@@ -193,7 +193,7 @@ class CommitProtocol:
         The coordinator's verdict travels as ``None`` (committed) or
         ``(Outcome, failures)``.
         """
-        writer.remember_written(results)  # what the coordinator's template of this save, if any, is made of
+        writer.builder.remember_written(results, writer.save_id)  # what the coordinator's template of this save, if any, is made of
         if isinstance(metadata, UnparsedMetadata) and self.coll.is_coordinator:
             metadata = self._parse_global_state(metadata)
         verdict = None
@@ -246,7 +246,7 @@ class CommitProtocol:
                 if not commit():
                     return _FULL
             finally:
-                job.stats.metadata_patched = writer.patched_commit
+                job.stats.metadata_patched = writer.builder.patched_commit
         except CommitOutcomeUnknownError as e:
             self._last_sequence = record.sequence  # it may have committed with it
             self._unsettled.add(job.step)

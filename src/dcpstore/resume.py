@@ -129,7 +129,7 @@ class Resume:
                 reader.close()
         if share is not None:
             if share.template_of is not None:
-                self.writer.remember_written_share(share.template_of, share.written)
+                self.writer.builder.remember_written_share(share.template_of, share.written)
             self.plan_cache.fill_from_share(
                 share.local_plan, share.final_plan, rank=self.coll.rank, world_size=self.coll.world_size,
                 planner=self.planner_factory(),
@@ -241,7 +241,7 @@ class Resume:
         except (resume_index.IndexUnusable, Unpatchable) as e:
             logger.info("%s: the next commit is built in full (%s)", reader.checkpoint_id, e)
             return None
-        self.writer.use_template(template)
+        self.writer.builder.use_template(template)
         return unparsed, None
 
     def _find_for_load(self, step: int | None) -> tuple[int, dict | None, bytes | None] | BaseException:

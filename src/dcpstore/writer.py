@@ -50,7 +50,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import pickle
 import threading
 import time
 import uuid
@@ -63,7 +62,6 @@ import numpy
 import torch.distributed as dist
 from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import (
-    CURRENT_DCP_VERSION,
     DEFAULT_SUFFIX,
     SerializationFormat,
     _split_by_size_and_type,
@@ -76,12 +74,13 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import metadata_template, planner_data, resume_index
+from . import planner_data, resume_index
 from .commit import Outcome, write_metadata
 from .errors import CheckpointExistsError, CommitOutcomeUnknownError, DcpstoreError, ObjectNotFoundError
 from .layout import METADATA_KEY, destination, is_tombstone
 from .reader import parse_metadata
 from .staging import StagedItems, StagingPool
+from .metadata_builder import MetadataBuilder
 from .shard_writing import ChecksummedWriteResult, caller_streams, on_streams, write_items
 from .storage import ObjectStore, StoreOwner, ThrottleClock, TransferConfig, check_keywords, is_store_url
 
@@ -127,11 +126,6 @@ class _Replaced:
 
     etag: str | None
     paths: frozenset[str]  # the shard objects its .metadata references
-
-
-def _template_id(save_id: str) -> int:
-    """A save's id as a positive int64, for the tensor collective of a patched commit (an ``AsyncCheckpointer``'s nonce is 62 bits)."""
-    return int(save_id[:15], 16) + 1
 
 
 def carried_plan(plan: SavePlan) -> SavePlan | None:
@@ -247,11 +241,8 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._store: ObjectStore | None = None
         self._free_staging: list[StagingPool] = []  # for dcp.async_save: pools no staged copy holds now
-        # The last full commit's .metadata as a template (metadata_template), on the coordinator; and on
-        # every rank, the id and layout of the last save this rank wrote in full.  Kept across saves, not reset.
-        self._template: metadata_template.CommitTemplate | None = None
-        self._written: tuple[int, list] | None = None
-        self.patched_commit = False  # whether the last commit patched the template
+        # Builds .metadata (in full, or patched from the last one) and the resume index; kept across saves.
+        self.builder = MetadataBuilder(checksums)
         self.reset(url)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -262,7 +253,8 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         pools and the S3 client cannot travel and are remade there.
         """
         state = self.__dict__.copy()
-        state["_store"] = state["_executor"] = state["_template"] = state["_written"] = None
+        state["_store"] = state["_executor"] = None
+        state["builder"] = MetadataBuilder(self.checksums)  # no template travels: the first save there commits in full
         state["_free_staging"] = []  # host memory stays in this process
         return state
 
@@ -455,153 +447,36 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         return f"{slot * 256 // self.key_spread:02x}/{name}"
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        self.patched_commit = False
-        storage_data = {}
-        checksums = {}
-        for rank_results in results:
-            for wr in rank_results:
-                storage_data[wr.index] = wr.storage_data
-                if self.checksums and isinstance(wr, ChecksummedWriteResult):
-                    checksums[wr.index] = wr.crc32
-        extras: dict[str, Any] = planner_data.checksum_extras(storage_data, checksums)
-        if self.commit_record is not None:
-            extras[planner_data.COMMIT_KEY] = self.commit_record
-        extras.update(self._plans_extras(metadata, results))
-        # Mutated in place, as torch's writers do: dcp.save returns this object.
-        metadata.version = CURRENT_DCP_VERSION
-        metadata.storage_data = storage_data
-        metadata.storage_meta = self.storage_meta()
-        # A reused (cached) Metadata already carries last save's extras: drop them.
-        user_planner_data = planner_data.user_planner_data(metadata)
-        metadata.planner_data = planner_data.embed(user_planner_data, extras)
-        index = self._resume_index(metadata, extras.get(planner_data.PLANS_KEY), results)
-        if index is not None:
-            layout, segments = index
-            parts, pointer = layout.assemble(segments, self.save_id)
-            extras[planner_data.INDEX_KEY] = resume_index.stored_pointer(pointer)
-            metadata.planner_data = planner_data.embed(user_planner_data, extras)
-        raw = pickle.dumps(metadata, protocol=metadata_template.PROTOCOL)
-        template = None
-        if self._patches_commits:  # the next save of this structure may patch this one
-            template = metadata_template.CommitTemplate.of_save(
-                metadata, raw, results, self.save_id[:16], index[0] if index else None, _template_id(self.save_id)
-            )
-        if index is not None:
-            if template is not None:
-                # The template's map goes in the index, so a coordinator that resumes from this step patches
-                # its next commit; the pointer to the index changes in fixed-width slots only.
-                mapped = dataclasses.replace(layout, template=template.stored_map(), template_of=template.template_id)
-                mapped_parts, mapped_pointer = mapped.assemble(segments, self.save_id)
-                repointed = template.repoint(resume_index.stored_pointer(mapped_pointer))
-                if repointed is not None:
-                    template.index, parts, pointer, raw = mapped, mapped_parts, mapped_pointer, repointed
-                    extras[planner_data.INDEX_KEY] = resume_index.stored_pointer(pointer)
-                    metadata.planner_data = planner_data.embed(user_planner_data, extras)
-                else:  # raw names the index without a map, as it was pickled
-                    template = None
-            if not self._put_resume_index(parts, pointer):  # .metadata names no index: pickled again without it
-                del extras[planner_data.INDEX_KEY]
-                metadata.planner_data = planner_data.embed(user_planner_data, extras)
-                raw = pickle.dumps(metadata, protocol=metadata_template.PROTOCOL)
-                template = None
-        self._template = template
-        # A copy of a template's bytes: they change with the next save, and no body a retry resends may change under it.
-        self.commit(raw if isinstance(raw, bytes) else bytes(raw), {info.relative_path for info in storage_data.values()})
+        """Build ``.metadata`` in full (and the resume index beside it, see ``metadata_builder``) and commit it."""
+        self._index_key, self._index_tags = None, {}
+        raw, paths = self.builder.full(
+            metadata, results, self._plans_extras(metadata, results),
+            url=self.url, save_id=self.save_id, commit_record=self.commit_record,
+            storage_meta=self.storage_meta(), patches=self._patches_commits, put_index=self._put_resume_index,
+        )
+        self.commit(raw, paths)
+
+    def commit_patched(self, values: numpy.ndarray) -> bool:
+        """On the coordinator: commit this save as the template patched with every rank's ``values``; ``False`` to take the full path.
+
+        ``values``: a row per rank (see ``MetadataBuilder.patched``).  Raises as ``commit``.
+        """
+        self._index_key, self._index_tags = None, {}
+        built = self.builder.patched(
+            values, url=self.url, save_id=self.save_id, commit_record=self.commit_record, put_index=self._put_resume_index
+        )
+        if built is None:
+            if self._index_key is not None:  # written for a commit that is not made: nothing will name it
+                self._delete_quietly({self._index_key}, "resume index")
+            self._index_key, self._index_tags = None, {}
+            return False
+        self.commit(*built)
+        return True
 
     @property
     def _patches_commits(self) -> bool:
         """Whether commits may patch the last one: an ``AsyncCheckpointer``'s (it sets the commit record), never an overwrite."""
         return self.commit_record is not None and not self.overwrite
-
-    # -- patched commits (metadata_template) ---------------------------------------------
-
-    def remember_written(self, results: list[WriteResult]) -> None:
-        """On every rank, after a save that took the full path: the layout this rank wrote, which its template was made of."""
-        self._written = (_template_id(self.save_id), metadata_template.written_layout(results, self.save_id[:16]))
-
-    def remember_written_share(self, template_of: int, written: list[tuple]) -> None:
-        """On every rank that resumed from its share of a resume index: the layout it wrote for the index's commit template."""
-        self._written = (template_of, written)
-
-    def use_template(self, template: metadata_template.CommitTemplate) -> None:
-        """On the coordinator: commit the next saves of its structure by patching ``template`` (one read back after a restart)."""
-        self._template = template
-
-    def patch_vote(self, results: list[WriteResult] | None) -> tuple[int, numpy.ndarray] | None:
-        """This rank's part of a patched commit: the template its write results fit (its id), and its values; ``None`` if they do not.
-
-        The check runs on the rank that wrote, against what it wrote for the
-        template: the same items in the same shards, each tensor where it was.
-        """
-        if self._written is None or results is None:
-            return None
-        template_id, layout = self._written
-        if metadata_template.written_layout(results, self.save_id[:16]) != layout:
-            return None
-        return template_id, metadata_template.rank_values(results, self.checksums)
-
-    def template_id(self, metadata: Metadata | None) -> int:
-        """On the coordinator: the id of the template a save of ``metadata`` may patch, or 0."""
-        template = self._template
-        return template.template_id if template is not None and template.metadata is metadata else 0
-
-    def commit_patched(self, values: numpy.ndarray) -> bool:
-        """On the coordinator: commit this save as the template patched with every rank's ``values``; ``False`` to take the full path.
-
-        ``values``: a row per rank, its count of values, then the values
-        (``patch_vote``), padded.  The resume index, if the template has
-        one, is its blocks with this save's segments.  Raises as ``commit``.
-        """
-        self.patched_commit = False
-        template = self._template
-        widths = numpy.array([template.width(r) for r in range(len(template.counts))], numpy.int64)
-        if values.shape[0] != len(widths) or not numpy.array_equal(values[:, 0], widths):
-            self._template = None
-            return False
-        rows = values[:, 1:]
-        generation = self.save_id[:16]
-        parts = pointer = None
-        self._index_key, self._index_tags = None, {}
-        if template.index is not None:
-            segments = []
-            for row, (items, bytes_items) in zip(rows, template.counts):
-                k = items * template.checksums
-                segments.append(resume_index.encode_segment(generation, row[:k], row[k : k + 2 * bytes_items]))
-            parts, pointer = template.index.assemble(segments, self.save_id)
-            if not self._put_resume_index(parts, pointer):  # the template names an index: commit in full
-                self._template = None
-                return False
-        stored = resume_index.stored_pointer(pointer) if pointer is not None else None
-        raw = template.patched(rows, generation, self.commit_record, self.url, self.save_id, stored)
-        if raw is None:
-            if pointer is not None:
-                self._delete_quietly({pointer["key"]}, "resume index")
-            self._index_key, self._index_tags = None, {}
-            self._template = None
-            return False
-        self.patched_commit = True
-        # A copy: the template's bytes change with the next save, and no body a retry resends may change under it.
-        self.commit(bytes(raw), template.names())
-        return True
-
-    def _resume_index(self, metadata: Metadata, compact: dict | None, results: list[list[WriteResult]]) -> tuple | None:
-        """The resume index of this save (see ``resume_index``): its layout and segments, or ``None`` without one.
-
-        Only for jobs of several ranks, with the compact plans, which say what each rank's local plan held.
-        """
-        self._index_key, self._index_tags = None, {}
-        if compact is None or len(compact["ranks"]) < 2:
-            return None  # a single rank resumes from .metadata, which it reads anyway
-        try:
-            layout = resume_index.layout_of(metadata, compact, results, self.checksums)
-            segments = layout.segments(metadata, results) if layout is not None else None
-        except Exception as e:  # noqa: BLE001 - an optional cache: the commit goes on without it
-            logger.warning("%s: could not build the resume index (%r); restarts will read .metadata", self.url, e)
-            return None
-        if segments is None:
-            logger.info("%s: the plans do not index this save's items; no resume index", self.url)
-            return None
-        return layout, segments
 
     def _put_resume_index(self, parts: list[bytes], pointer: dict) -> bool:
         """PUT the resume index before ``.metadata``; whether it is there.
