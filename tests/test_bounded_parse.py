@@ -49,7 +49,6 @@ def test_a_size_from_the_bucket_allocates_nothing():
     assert loads_metadata(pickle.dumps(bytearray(b"abc"), protocol=3), URL) == bytearray(b"abc")
 
 
-@pytest.mark.slow
 def test_colliding_int_keys_cost_linear_time():
     """Half a MiB of int keys that all hash alike took 12 s and grew with the square of the size."""
     modulus = (1 << 61) - 1  # hash(k * modulus) == 0 for every k

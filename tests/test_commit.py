@@ -84,7 +84,6 @@ def test_a_commit_answered_with_a_server_error_that_lands_later_is_committed(buc
     assert_state_dict_equal(load(zeros_like_state_dict(sd), f"s3://{bucket}/ckpt"), sd)
 
 
-@pytest.mark.slow
 def test_a_commit_refused_every_time_fails_and_leaves_no_metadata(bucket, s3, proxy):
     """Every attempt is answered (throttled): no .metadata can exist, and the error names the object."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -98,7 +97,6 @@ def test_a_commit_refused_every_time_fails_and_leaves_no_metadata(bucket, s3, pr
     assert not object_exists(s3, bucket, "ckpt/.metadata")
 
 
-@pytest.mark.slow
 def test_an_unreadable_outcome_is_unknown_and_keeps_the_shards(bucket, s3, proxy):
     """Answer lost, retries throttled, and the read-back throttled too: neither committed nor failed."""
     from torch.distributed.checkpoint.api import CheckpointException

@@ -98,7 +98,6 @@ def test_a_resharded_resume_reads_metadata(bucket, s3, proxy):
         assert_same(loaded, final)
 
 
-@pytest.mark.slow
 def test_the_coordinators_read_of_metadata_never_holds_up_training(bucket, s3, proxy):
     """The coordinator's GET of .metadata (for its next commit) is answered late; its save() returns before that.
 

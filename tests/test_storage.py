@@ -179,7 +179,6 @@ def test_unreachable_endpoint_fails_within_seconds(bucket):
     assert time.monotonic() - t0 < 10
 
 
-@pytest.mark.slow
 def test_a_server_that_stops_reading_the_body_does_not_hang_a_put(bucket):
     """A full Ceph OSD stops reading request bodies; the socket timeouts never fire then."""
     listener = socket.create_server(("127.0.0.1", 0))
