@@ -338,7 +338,7 @@ class AsyncCheckpointer:
         Every rank lists the same steps: a save completes on a rank only
         after the coordinator has committed it and pruned beyond
         ``keep_last`` (unless the deletes outlast what the peers wait for:
-        then they finish in the background, logged; see ``_collect_before``).
+        then they finish in the background, logged; see ``steps.Retention``).
         """
         self.wait()
         return self._order.steps(self.step_naming)

@@ -72,7 +72,7 @@ class _Failure:
 
 
 def _check_every_item_offered(plans: list[SavePlan], metadata: Metadata) -> None:
-    """Raise if an item a rank holds is in no rank's offer (see ``AsyncCheckpointer._plan``): the step would lack it.
+    """Raise if an item a rank holds is in no rank's offer (see ``SavePipeline._plan``): the step would lack it.
 
     That happens only when the ranks holding a replicated item left it to a
     rank that no longer holds it.  The next save, planned afresh, stages it.
