@@ -236,7 +236,7 @@ class CommitProtocol:
         return metadata
 
     def _decide(self, job: SaveJob, writer: ObjectStoreWriter, gather_error, commit: Callable[[], bool]):
-        """On the coordinator: run ``commit`` (``False``: it cannot, commit in full); the verdict for ``commit``, or ``_FULL``."""
+        """On the coordinator: run ``commit`` (``False``: it cannot, commit in full); the verdict for ``CommitProtocol.commit``, or ``_FULL``."""
         if gather_error is not None:
             return Outcome.FAILED, {self.coll.rank: f"collecting the ranks' write results failed: {describe(gather_error)}"}
         try:
