@@ -74,6 +74,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dcpstore import metadata_template, resume_index, resume_share, safe_pickle
+from dcpstore.persisted_plans import attach_local_plan
 from dcpstore.shard_writing import ChecksummedWriteResult
 from dcpstore.writer import ObjectStoreWriter
 
@@ -123,7 +124,7 @@ def global_step(plans: list[SavePlan]) -> tuple[ObjectStoreWriter, list[SavePlan
     """The coordinator's global step, as ``dcp.save`` runs it with an ``ObjectStoreWriter``."""
     writer = ObjectStoreWriter("memory://dcpstore-scale-bench")
     planner = DefaultSavePlanner()
-    global_plans, metadata = planner.create_global_plan([writer.attach_local_plan(p) for p in plans])
+    global_plans, metadata = planner.create_global_plan([attach_local_plan(p) for p in plans])
     central = writer.prepare_global_plan(global_plans)
     return writer, central, metadata
 
@@ -173,10 +174,10 @@ def finish(writer_plans, metadata: Metadata, results, *, checksums: bool = True)
     """The coordinator's ``finish()``, timed; the writer holds the ``.metadata`` bytes and its store the index."""
     writer = _Captured("memory://dcpstore-scale-bench", checksums=checksums)
     writer.save_id = SIMULATED_NONCE  # an AsyncCheckpointer's nonce: its shard names' generation
-    writer.remember_local_plans(writer_plans)
+    writer.plans.remember(writer_plans)
     writer.commit_record = {"sequence": 5, "parent": 4}  # what an AsyncCheckpointer's commit records
     if writer_plans is None:
-        writer._plans_missing = "cached"  # quiet: measuring "no plans"
+        writer.plans.missing = "cached"  # quiet: measuring "no plans"
     md = dataclasses.replace(metadata)
     t0 = time.perf_counter()
     writer.finish(md, results)
@@ -353,7 +354,7 @@ def measure(world_size: int, items_per_rank: int, *, repeat: int, safe_read_max:
     global_step_s = time.perf_counter() - t0
     results = write_results(central)
     torch_bytes = torch_metadata_bytes(metadata, results)
-    captured, finish_s = finish(writer.all_local_plans, metadata, results)
+    captured, finish_s = finish(writer.plans.plans, metadata, results)
     raw = captured.raw
     t0 = time.perf_counter()
     md = captured.metadata

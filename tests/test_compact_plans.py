@@ -42,7 +42,7 @@ def w256():
     plans = simulate_plans(256, 24)
     writer, central, metadata = global_step(plans)
     results = write_results(central)
-    raw, _ = finish_bytes(writer.all_local_plans, metadata, results)
+    raw, _ = finish_bytes(writer.plans.plans, metadata, results)
     return plans, central, metadata, results, raw
 
 

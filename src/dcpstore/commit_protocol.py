@@ -229,7 +229,7 @@ class CommitProtocol:
             logger.warning("%s: parsing the resumed .metadata for a full commit failed: %s", self.root, e)
             self.plan_cache.clear()
             return None
-        self.writer.remember_local_plans(plans)
+        self.writer.plans.remember(plans)
         entry = self.plan_cache.entry
         if entry is not None and entry.metadata is unparsed:
             entry.metadata, entry.all_local_plans = metadata, plans

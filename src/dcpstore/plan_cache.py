@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from . import planner_data
+from .persisted_plans import attach_local_plan
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ class PlanCache:
             self.clear()
             return False
         # Full plans (older checkpoints) or a planner with its own global step: redo it.
-        global_plans, global_metadata = planner.create_global_plan([writer.attach_local_plan(p) for p in plans])
+        global_plans, global_metadata = planner.create_global_plan([attach_local_plan(p) for p in plans])
         central = writer.prepare_global_plan(global_plans)
         self.store(
             CachedPlan(

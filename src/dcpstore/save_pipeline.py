@@ -41,7 +41,8 @@ from .commit_protocol import CommitProtocol
 from .errors import CheckpointExistsError, CheckpointSaveError
 from .plan_cache import CachedPlan, PlanCache
 from .save_job import SaveJob, SaveStats
-from .writer import ObjectStoreWriter, carried_plan
+from .persisted_plans import attach_local_plan, carried_plan
+from .writer import ObjectStoreWriter
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,7 @@ class SavePipeline:
             cached.source = None  # reused: from now on, these are plans this job made
             central_plan, metadata = cached.central_plan, cached.metadata
             if cached.all_local_plans is not None:
-                writer.remember_local_plans(cached.all_local_plans)
+                writer.plans.remember(cached.all_local_plans)
         else:
             central_plan, metadata = self._plan(job, writer)
         job.stats.plan_reused = bool(reuse)
@@ -203,7 +204,7 @@ class SavePipeline:
         """
         unstaged = {item.index for item in job.staged.missing(job.local_plan.items)}
         offered = dataclasses.replace(job.local_plan, items=[i for i in job.local_plan.items if i.index not in unstaged])
-        local = writer.attach_local_plan(offered, carried=job.local_plan)
+        local = attach_local_plan(offered, carried=job.local_plan)
         if self.planning == "decentralized":
             all_local = self.coll.all_gather(local)
             try:
@@ -214,7 +215,7 @@ class SavePipeline:
                 raise
             central_plan = writer.prepare_global_plan(global_plans)[self.coll.rank]
             self.plan_cache.store(
-                CachedPlan(job.local_plan, central_plan, self.coll.world_size, metadata, writer.all_local_plans)
+                CachedPlan(job.local_plan, central_plan, self.coll.world_size, metadata, writer.plans.plans)
             )
             return central_plan, metadata
 
@@ -232,5 +233,5 @@ class SavePipeline:
         if isinstance(central_plan, _Failure):
             self.plan_cache.clear()  # the next save stages all it holds and plans afresh
             raise CheckpointSaveError(job.url, {0: f"global planning failed: {central_plan.message}"})
-        self.plan_cache.store(CachedPlan(job.local_plan, central_plan, self.coll.world_size, metadata, writer.all_local_plans))
+        self.plan_cache.store(CachedPlan(job.local_plan, central_plan, self.coll.world_size, metadata, writer.plans.plans))
         return central_plan, metadata

@@ -28,20 +28,8 @@ time, so it never replaces a commit it has not seen, and afterwards deletes
 exactly the shards the replaced ``.metadata`` referenced: it never lists.
 
 Plans: every rank's local plan rides to the coordinator inside its
-``SavePlan.storage_data`` (set in ``prepare_local_plan``).  The planner's
-global step (dedup, metadata) keeps ``storage_data``, so the coordinator's
-``prepare_global_plan`` recovers the plans exactly as the ranks made them,
-before dedup, whatever ``SavePlanner`` is in use -- including the one
-``dcp.save`` creates itself when the caller passes none, which no wrapper
-could reach.  ``finish()`` persists them, with what the dedup decided (from
-the write results), in the compact form of ``planner_data.encode_plans``.
-
-With torch's own plan caching (``DefaultSavePlanner(enable_plan_caching=True)``)
-an unchanged rank sends an empty, unusable plan and the global step returns
-delta plans, so the carriers are missing.  The writer then takes the local
-plans from the coordinator planner's full ``global_plan`` (in ``write_data``),
-or reuses the compact form it computed for the same ``Metadata`` object
-(torch hands the cached one back when nothing changed).
+``SavePlan.storage_data``, and ``finish()`` persists them in the compact
+form of ``planner_data.encode_plans`` (``persisted_plans``).
 """
 
 from __future__ import annotations
@@ -50,12 +38,10 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import threading
 import time
 import uuid
 import weakref
 import zlib
-from collections import OrderedDict
 from typing import Any, Sequence
 
 import numpy
@@ -74,13 +60,14 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from . import planner_data, resume_index
+from . import resume_index
 from .commit import Outcome, write_metadata
 from .errors import CheckpointExistsError, CommitOutcomeUnknownError, DcpstoreError, ObjectNotFoundError
 from .layout import METADATA_KEY, destination, is_tombstone
 from .reader import parse_metadata
 from .staging import StagedItems, StagingPool
 from .metadata_builder import MetadataBuilder
+from .persisted_plans import PersistedPlans, attach_local_plan
 from .shard_writing import ChecksummedWriteResult, caller_streams, on_streams, write_items
 from .storage import ObjectStore, StoreOwner, ThrottleClock, TransferConfig, check_keywords, is_store_url
 
@@ -88,52 +75,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_OBJECTS_PER_RANK = 4  # shard objects a rank writes at once
 
-# Compact plans this process persisted, by identity of the Metadata object they
-# describe: (weakref to it, the local plans they encode or None, compact form).
-_RECENT_COMPACT: "OrderedDict[int, tuple[weakref.ref, object, dict]]" = OrderedDict()
-_RECENT_LOCK = threading.Lock()
-_RECENT_MAX = 8
-
-
-def _remember_compact(metadata: Metadata, source: object, compact: dict) -> None:
-    with _RECENT_LOCK:
-        _RECENT_COMPACT.pop(id(metadata), None)
-        _RECENT_COMPACT[id(metadata)] = (weakref.ref(metadata), source, compact)
-        while len(_RECENT_COMPACT) > _RECENT_MAX:
-            _RECENT_COMPACT.popitem(last=False)
-
-
-def _recall_compact(metadata: Metadata, source: object = None) -> dict | None:
-    """The compact form computed earlier for this very ``metadata`` (and ``source``, if given)."""
-    with _RECENT_LOCK:
-        entry = _RECENT_COMPACT.get(id(metadata))
-    if entry is None or entry[0]() is not metadata or (source is not None and entry[1] is not source):
-        return None
-    compact = entry[2]
-    return compact if planner_data.compact_matches(compact, metadata) else None
-
-
-@dataclasses.dataclass(frozen=True)
-class _LocalPlanCarrier:
-    """Carries a rank's own local plan through DCP's gather in ``storage_data``."""
-
-    plan: SavePlan
-
-
 @dataclasses.dataclass(frozen=True)
 class _Replaced:
     """The committed checkpoint an overwrite replaces, as read at planning time."""
 
     etag: str | None
     paths: frozenset[str]  # the shard objects its .metadata references
-
-
-def carried_plan(plan: SavePlan) -> SavePlan | None:
-    """The local plan a global-step plan carries, or ``None`` (dropped, or torch's unusable delta)."""
-    carrier = getattr(plan, "storage_data", None)
-    if not isinstance(carrier, _LocalPlanCarrier) or not getattr(carrier.plan, "usable", True):
-        return None
-    return carrier.plan
 
 
 class _StagedStateDict(dict):
@@ -286,11 +233,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
-        # The ranks' local plans finish() persists: a list of plans, the
-        # compact form (from the plan cache), or None (unknown).
-        self.all_local_plans: list[SavePlan] | dict | None = None
-        self._plans_missing: str | None = None  # why they are unknown
-        self._plans_from_planner = False
+        self.plans = PersistedPlans()  # the ranks' local plans finish() persists
         self._replaced: _Replaced | None = None
         self._tombstone: str | None = None  # ETag of a collection's tombstone at .metadata as the save began (see commit)
         # What an AsyncCheckpointer's commit records (see steps.CommitRecord): user metadata and planner_data.
@@ -313,12 +256,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.check_destination()
-        return self.attach_local_plan(plan)
-
-    @staticmethod
-    def attach_local_plan(plan: SavePlan, carried: SavePlan | None = None) -> SavePlan:
-        """``plan`` carrying a copy of itself (or of ``carried``: the plan persisted for this rank) to ``prepare_global_plan``."""
-        return dataclasses.replace(plan, storage_data=_LocalPlanCarrier(planner_data.strip_plan(carried or plan)))
+        return attach_local_plan(plan)
 
     def check_destination(self) -> bool:
         """Refuse to save over a committed checkpoint unless ``overwrite``; True if one is there."""
@@ -340,9 +278,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         )
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        self.remember_local_plans([carried_plan(p) for p in plans])
-        if self.all_local_plans is None and not all(getattr(p, "usable", True) for p in plans):
-            self._plans_missing = "cached"  # torch's plan caching sent deltas; see write_data/finish
+        self.plans.from_global_step(plans)
         if self.overwrite:
             self._replaced = self._read_replaced()
         return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{rank}_")) for rank, plan in enumerate(plans)]
@@ -360,35 +296,9 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         index = resume_index.key_of(old)
         return _Replaced(etag, frozenset(paths | ({index} if index else set())))
 
-    def remember_local_plans(self, plans: list[SavePlan | None] | dict | None) -> None:
-        """The local plans ``finish()`` persists.
-
-        A list of plans (``None`` entries: unknown), or the compact form of
-        ``planner_data.encode_plans`` as the plan cache keeps it.
-        """
-        if planner_data.is_compact(plans):
-            self.all_local_plans = plans
-            self._plans_missing = None
-        elif plans and all(p is not None for p in plans):
-            if all(p.storage_data is None for p in plans):
-                self.all_local_plans = plans  # kept as is: finish() recognizes a list it encoded before
-            else:
-                self.all_local_plans = [planner_data.strip_plan(p) for p in plans]
-            self._plans_missing = None
-        else:
-            self.all_local_plans = None
-            self._plans_missing = "dropped"
-
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        if self.is_coordinator and self.all_local_plans is None:
-            # torch's plan caching: the coordinator planner's full global plan
-            # still carries every rank's local plan.
-            full = getattr(planner, "global_plan", None)
-            if isinstance(full, list) and full:
-                carried = [carried_plan(p) for p in full]
-                if all(p is not None for p in carried):
-                    self.all_local_plans = [planner_data.strip_plan(p) for p in carried]
-                    self._plans_from_planner = True
+        if self.is_coordinator:
+            self.plans.from_planner_if_missing(planner)
         # A cached final plan (torch's plan caching) may carry any earlier
         # prefix; only the rank part of it is used.
         prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{self.rank}_"
@@ -450,7 +360,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         """Build ``.metadata`` in full (and the resume index beside it, see ``metadata_builder``) and commit it."""
         self._index_key, self._index_tags = None, {}
         raw, paths = self.builder.full(
-            metadata, results, self._plans_extras(metadata, results),
+            metadata, results, self.plans.extras(metadata, results, self.url),
             url=self.url, save_id=self.save_id, commit_record=self.commit_record,
             storage_meta=self.storage_meta(), patches=self._patches_commits, put_index=self._put_resume_index,
         )
@@ -492,41 +402,6 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
             return False
         self._index_key, self._index_tags = pointer["key"], resume_index.tags(pointer)
         return True
-
-    def _plans_extras(self, metadata: Metadata, results: list[list[WriteResult]]) -> dict[str, Any]:
-        """What ``finish()`` stores about the plans: the compact form, the full list, or nothing."""
-        plans = self.all_local_plans
-        if planner_data.is_compact(plans):
-            if planner_data.compact_matches(plans, metadata) and len(plans["ranks"]) == len(results):
-                plans = planner_data.as_written_here(plans)  # primed from a checkpoint another torch wrote
-                _remember_compact(metadata, None, plans)
-                return {planner_data.PLANS_KEY: plans}
-            plans = None  # not this structure: treat as unknown
-        if plans is None:
-            compact = _recall_compact(metadata)
-            if compact is not None and len(compact["ranks"]) == len(results):
-                logger.info("%s: reusing the compact plans of the previous save of this structure", self.url)
-                return {planner_data.PLANS_KEY: compact}
-            if self._plans_missing == "cached":
-                logger.info("%s: torch's plan caching left no local plans to persist; a restart will plan in full", self.url)
-            else:
-                logger.warning(
-                    "%s: the planner dropped SavePlan.storage_data, so the local plans "
-                    "cannot be persisted; a restart will plan in full",
-                    self.url,
-                )
-            return {}
-        compact = _recall_compact(metadata, plans)
-        if compact is None:
-            compact = planner_data.encode_plans(plans, metadata, [{wr.index for wr in rr} for rr in results])
-        if compact is not None:
-            _remember_compact(metadata, plans, compact)
-            return {planner_data.PLANS_KEY: compact}
-        if self._plans_from_planner:
-            logger.info("%s: the planner's cached plans do not match this save; not persisting plans", self.url)
-            return {}
-        logger.info("%s: plans do not fit the compact form; persisting them in full", self.url)
-        return {planner_data.ALL_LOCAL_PLANS_KEY: plans}
 
     def commit(self, raw_metadata: bytes | bytearray, paths: set[str]) -> None:
         """Write ``.metadata``: the one conditional PUT that makes the checkpoint exist.
