@@ -328,8 +328,6 @@ class AsyncCheckpointer:
         self.last_stats = stats
         return stats
 
-    # -- the background pipeline -------------------------------------------------------
-
     # -- reading ------------------------------------------------------------------------
 
     def committed_steps(self) -> list[int]:
