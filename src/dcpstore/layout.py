@@ -26,6 +26,12 @@ METADATA_KEY = ".metadata"  # a DCP checkpoint exists exactly when this object d
 # User metadata (x-amz-meta-*) of a committed .metadata: the nonce of the save
 # that wrote it (= StorageMeta.save_id inside it; see commit).
 NONCE_KEY = "dcpstore-save"
+GENERATION_DIGITS = 16  # a shard name's generation: the first hex digits of its save's id, one length every save
+
+
+def generation(save_id: str) -> str:
+    """The generation a save's shard names carry (``__{rank}_{generation}_{n}.distcp``): its id's first ``GENERATION_DIGITS`` hex digits."""
+    return save_id[:GENERATION_DIGITS]
 # What a collection writes as a failed save's .metadata before it deletes the
 # shards, so that a commit still in flight cannot land (see steps).  Unique
 # per write (its ETag is), and of a fixed size far below any pickled Metadata

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.storage import WriteResult
 
 from . import metadata_template, planner_data, resume_index
+from .layout import generation
 from .shard_writing import ChecksummedWriteResult
 
 logger = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class MetadataBuilder:
 
     def remember_written(self, results: list[WriteResult], save_id: str) -> None:
         """After a save that took the full path: the layout this rank wrote, which its template was made of."""
-        self.written = (template_id(save_id), metadata_template.written_layout(results, save_id[: resume_index.GENERATION_DIGITS]))
+        self.written = (template_id(save_id), metadata_template.written_layout(results, generation(save_id)))
 
     def remember_written_share(self, template_of: int, written: list[tuple]) -> None:
         """On a rank that resumed from its share of a resume index: the layout it wrote for the index's commit template."""
@@ -73,7 +74,7 @@ class MetadataBuilder:
         if self.written is None or results is None:
             return None
         written_id, layout = self.written
-        if metadata_template.written_layout(results, save_id[: resume_index.GENERATION_DIGITS]) != layout:
+        if metadata_template.written_layout(results, generation(save_id)) != layout:
             return None
         return written_id, metadata_template.rank_values(results, self.checksums)
 
@@ -136,7 +137,7 @@ class MetadataBuilder:
         template = None
         if patches:  # the next save of this structure may patch this one
             template = metadata_template.CommitTemplate.of_save(
-                metadata, raw, results, save_id[: resume_index.GENERATION_DIGITS], index[0] if index else None, template_id(save_id)
+                metadata, raw, results, generation(save_id), index[0] if index else None, template_id(save_id)
             )
         if index is not None:
             if template is not None:
@@ -184,19 +185,19 @@ class MetadataBuilder:
             self.template = None
             return None
         rows = values[:, 1:]
-        generation = save_id[: resume_index.GENERATION_DIGITS]
+        save_generation = generation(save_id)
         pointer = None
         if template.index is not None:
             segments = []
             for row, (items, bytes_items) in zip(rows, template.counts):
                 k = items * template.checksums
-                segments.append(resume_index.encode_segment(generation, row[:k], row[k : k + 2 * bytes_items]))
+                segments.append(resume_index.encode_segment(save_generation, row[:k], row[k : k + 2 * bytes_items]))
             parts, pointer = template.index.assemble(segments, save_id)
             if not put_index(parts, pointer):  # the template names an index: commit in full
                 self.template = None
                 return None
         stored = resume_index.stored_pointer(pointer) if pointer is not None else None
-        raw = template.patched(rows, generation, commit_record, url, save_id, stored)
+        raw = template.patched(rows, save_generation, commit_record, url, save_id, stored)
         if raw is None:
             self.template = None
             return None

@@ -52,12 +52,12 @@ import numpy
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from . import planner_data
+from .layout import GENERATION_DIGITS
 
 PROTOCOL = pickle.HIGHEST_PROTOCOL  # what writer.finish pickles .metadata with
 _DIFF_CHUNK = 16 << 20  # bytes compared at a time: the build's memory beyond its two pickles
 
 
-GENERATION_DIGITS = 16  # a shard name's generation: the first hex digits of its save's id (see writer)
 _KINDS = ("str", "int", "bytes")  # a slot's kind, as a stored map codes it
 _MAX_MAP_BYTES = 256 << 20  # a stored map, inflated: 15 bytes a slot
 _MAX_MAP_HEADER = 1 << 20  # its JSON header: the hashes, the size and the few role names

@@ -60,7 +60,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorProperties
 
 from . import planner_data
-from .layout import METADATA_KEY, NONCE_KEY
+from .layout import GENERATION_DIGITS, METADATA_KEY, NONCE_KEY
 
 VERSION = 4  # 4: a save's own values (generation, crc32s, bytes extents) in a segment per writer, apart from the blocks
 INDEX_TAG = "dcpstore-index"  # x-amz-meta of .metadata: "<offset>:<length>:<sha256>" of the directory
@@ -72,7 +72,6 @@ MAX_BLOCK_BYTES = 16 << 20  # compressed; a rank's block is tens of KB at 2,000 
 MAX_BLOCK_JSON = 48 << 20  # inflated: a block that inflates past this is refused before it is parsed
 MAX_PARSE_MEMORY = 160 << 20  # what json.loads of one part may build, by the estimate below
 MAX_VALUES_BYTES = 1 << 30  # every writer's segment: 4 bytes an item, 32 MB at 4,096 x 2,000
-GENERATION_DIGITS = 16  # a shard name's generation (see writer): the first hex digits of its save's id
 _SHARD_NAME = re.compile(r"__\d+_([0-9a-f]{%d})_\d+\.distcp" % GENERATION_DIGITS)
 # Chunks of one fqn in one rank's share: 1 for a DTensor or plain tensor, a
 # few for a LocalShardsWrapper.  The offsets of a MetadataIndex key hash

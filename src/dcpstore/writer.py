@@ -63,7 +63,7 @@ from torch.futures import Future
 from . import resume_index
 from .commit import Outcome, write_metadata
 from .errors import CheckpointExistsError, CommitOutcomeUnknownError, DcpstoreError, ObjectNotFoundError
-from .layout import METADATA_KEY, destination, is_tombstone
+from .layout import METADATA_KEY, destination, generation, is_tombstone
 from .reader import parse_metadata
 from .staging import StagedItems, StagingPool
 from .metadata_builder import MetadataBuilder
@@ -302,13 +302,13 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         # A cached final plan (torch's plan caching) may carry any earlier
         # prefix; only the rank part of it is used.
         prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{self.rank}_"
-        generation = self.save_id[:16]
+        shard_generation = generation(self.save_id)
         # Bytes items last in each shard: one whose pickled size changes moves no tensor's offset.
         buckets = [
             sorted(b, key=lambda item: item.type == WriteItemType.BYTE_IO)
             for b in _split_by_size_and_type(self.objects_per_rank, list(plan.items)) if b
         ]
-        names = [self._shard_name(prefix, n, generation) for n in range(len(buckets))]
+        names = [self._shard_name(prefix, n, shard_generation) for n in range(len(buckets))]
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if world_size > 1:  # alone, a writer cannot know who else writes the range: it slow-starts (see storage.throttle)
             self.store.share_write_rate(world_size * len({name.rpartition("/")[0] for name in names}))
