@@ -97,7 +97,7 @@ class CommitProtocol:
         self._last_sequence = 0  # the highest sequence this checkpointer committed with, or may have (coordinator)
         self._unsettled: set[int] = set()  # steps whose commit outcome was unknown: never pruned here
 
-    def commit(self, job: SaveJob, writer: ObjectStoreWriter, metadata, results, error) -> None:
+    def commit(self, job: SaveJob, metadata, results, error) -> None:
         """Agree on how to commit, commit on the coordinator, and give every rank the outcome storage shows.
 
         One all-reduce decides the way: whether every upload succeeded, and
@@ -115,6 +115,7 @@ class CommitProtocol:
         a refused one (once, in ``ObjectStoreWriter.commit``), nobody after
         an unknown one.
         """
+        writer = self.writer
         vote = writer.builder.vote(results, writer.save_id) if error is None else None
         template_id, values = vote if vote is not None else (0, numpy.zeros(0, numpy.int64))
         if self.coll.is_coordinator and template_id != writer.builder.template_id(metadata):
@@ -140,9 +141,9 @@ class CommitProtocol:
         verdict, settled = None, False
         patch = lowest == -neg_highest > 0
         if patch:
-            verdict, settled = self._commit_patched(job, writer, values, 1 - neg_width)
+            verdict, settled = self._commit_patched(job, values, 1 - neg_width)
         if not patch or verdict is _FULL:
-            verdict, settled = self._commit_full(job, writer, metadata, results)
+            verdict, settled = self._commit_full(job, metadata, results)
         if verdict is None:
             self.parent = job.step
             return
@@ -155,13 +156,14 @@ class CommitProtocol:
             writer.delete_shards(results)  # this rank's own: no .metadata names them
         raise CheckpointSaveError(job.url, failures) from error
 
-    def _commit_patched(self, job: SaveJob, writer: ObjectStoreWriter, values: numpy.ndarray, width: int):
+    def _commit_patched(self, job: SaveJob, values: numpy.ndarray, width: int):
         """A patched commit: each rank's values to the coordinator as one tensor, the verdict back as one; ``_FULL`` to commit in full instead.
 
         Every rank pads its row to ``width`` (the longest, from the
         all-reduce); the coordinator receives W rows.  Only a verdict other
         than committed travels with its messages, as an object.
         """
+        writer = self.writer
         row = numpy.zeros(width, numpy.int64)
         row[0] = len(values)
         row[1 : 1 + len(values)] = values
@@ -172,14 +174,14 @@ class CommitProtocol:
         except Exception as e:  # noqa: BLE001 - a peer died; the verdict below still tells the rest
             gather_error = e
         if self.coll.is_coordinator:
-            verdict = self._decide(job, writer, gather_error, lambda: writer.commit_patched(gathered.numpy()))
+            verdict = self._decide(job, gather_error, lambda: writer.commit_patched(gathered.numpy()))
         try:
             kind = _VERDICTS[self.coll.broadcast_code(_verdict_code(verdict))]
         except Exception as e:  # noqa: BLE001 - storage decides, unless this rank decided
             if self.coll.is_coordinator:
                 why = f"sending the verdict failed: {describe(e)}"
                 return (verdict if verdict is not _FULL else (Outcome.FAILED, {self.coll.rank: why})), False
-            return self._settle_without_coordinator(job, writer, e, entered), True
+            return self._settle_without_coordinator(job, e, entered), True
         if kind is None or kind is _FULL:
             return kind, False
         try:  # a verdict other than committed: its messages, once
@@ -187,12 +189,13 @@ class CommitProtocol:
         except Exception:  # noqa: BLE001 - the outcome is known; only the coordinator's words are lost
             return (verdict if self.coll.is_coordinator else (kind, {0: f"the commit of .metadata: {kind.value}"})), False
 
-    def _commit_full(self, job: SaveJob, writer: ObjectStoreWriter, metadata, results):
+    def _commit_full(self, job: SaveJob, metadata, results):
         """The full commit: the write results gathered as objects, ``.metadata`` built by ``finish``, the verdict broadcast.
 
         The coordinator's verdict travels as ``None`` (committed) or
         ``(Outcome, failures)``.
         """
+        writer = self.writer
         writer.builder.remember_written(results, writer.save_id)  # what the coordinator's template of this save, if any, is made of
         if isinstance(metadata, UnparsedMetadata) and self.coll.is_coordinator:
             metadata = self._parse_global_state(metadata)
@@ -212,14 +215,14 @@ class CommitProtocol:
         except Exception as e:  # noqa: BLE001 - a peer died; the broadcast below still tells the rest
             gather_error = e
         if self.coll.is_coordinator:
-            verdict = self._decide(job, writer, gather_error, lambda: writer.finish(metadata, gathered) or True)
+            verdict = self._decide(job, gather_error, lambda: writer.finish(metadata, gathered) or True)
         entered = time.monotonic()
         try:
             return self.coll.broadcast(verdict), False
         except Exception as e:  # noqa: BLE001 - storage decides, unless this rank decided
             if self.coll.is_coordinator:
                 return verdict, False
-            return self._settle_without_coordinator(job, writer, e, entered), True
+            return self._settle_without_coordinator(job, e, entered), True
 
     def _parse_global_state(self, unparsed: UnparsedMetadata) -> Metadata | None:
         """A resumed coordinator's global ``Metadata``, parsed for a full commit, and kept in the plan cache; ``None`` if it cannot be."""
@@ -235,8 +238,9 @@ class CommitProtocol:
             entry.metadata, entry.all_local_plans = metadata, plans
         return metadata
 
-    def _decide(self, job: SaveJob, writer: ObjectStoreWriter, gather_error, commit: Callable[[], bool]):
+    def _decide(self, job: SaveJob, gather_error, commit: Callable[[], bool]):
         """On the coordinator: run ``commit`` (``False``: it cannot, commit in full); the verdict for ``CommitProtocol.commit``, or ``_FULL``."""
+        writer = self.writer
         if gather_error is not None:
             return Outcome.FAILED, {self.coll.rank: f"collecting the ranks' write results failed: {describe(gather_error)}"}
         try:
@@ -281,7 +285,7 @@ class CommitProtocol:
             )
         return CommitRecord(job.step, sequence, self.parent)
 
-    def _settle_without_coordinator(self, job: SaveJob, writer: ObjectStoreWriter, broken: BaseException, entered: float):
+    def _settle_without_coordinator(self, job: SaveJob, broken: BaseException, entered: float):
         """The verdict of a rank that lost the coordinator's answer: what storage shows, once it is final.
 
         The coordinator starts its ``.metadata`` PUT, if at all, no later
@@ -297,6 +301,7 @@ class CommitProtocol:
         may still be working.  This rank returns sooner when the
         ``.metadata`` shows up.
         """
+        writer = self.writer
         why = f"the commit's collective broke ({describe(broken)})"
         broke = max(time.monotonic(), entered + self.coll.timeout_s(self.collective_timeout))
         until = broke + self.commit_window + landing_margin(writer.store)

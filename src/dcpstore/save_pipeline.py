@@ -151,7 +151,7 @@ class SavePipeline:
             if cached.all_local_plans is not None:
                 writer.plans.remember(cached.all_local_plans)
         else:
-            central_plan, metadata = self._plan(job, writer)
+            central_plan, metadata = self._plan(job)
         job.stats.plan_reused = bool(reuse)
         job.stats.planning_s = time.perf_counter() - t0
 
@@ -174,7 +174,7 @@ class SavePipeline:
             job.stats.device_stall_s = job.staged.stall_s()  # the waits made so far (overlap_copy: the loop's)
 
         t2 = time.perf_counter()
-        self.commits.commit(job, writer, metadata, results, error)
+        self.commits.commit(job, metadata, results, error)
         job.stats.commit_s = time.perf_counter() - t2
         return job.stats
 
@@ -192,7 +192,7 @@ class SavePipeline:
                 "differs (its log says which item and field); this save plans in full", first_miss
             )
 
-    def _plan(self, job: SaveJob, writer: ObjectStoreWriter) -> tuple[SavePlan, Metadata | None]:
+    def _plan(self, job: SaveJob) -> tuple[SavePlan, Metadata | None]:
         """Full planning; fills the plan cache.
 
         A rank that staged from its cached plan (while another rank's
@@ -202,6 +202,7 @@ class SavePipeline:
         steps: the live tensors have moved on).  Its whole local plan is
         still what the cache and the persisted plans key on.
         """
+        writer = self.writer
         unstaged = {item.index for item in job.staged.missing(job.local_plan.items)}
         offered = dataclasses.replace(job.local_plan, items=[i for i in job.local_plan.items if i.index not in unstaged])
         local = attach_local_plan(offered, carried=job.local_plan)
