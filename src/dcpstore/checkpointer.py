@@ -239,7 +239,7 @@ class AsyncCheckpointer:
         return self.step_naming.prefix(step)
 
     def step_url(self, step: int) -> str:
-        return f"{self.root}/{self.step_prefix(step)}"
+        return self.step_naming.url(self.root, step)
 
     # -- saving ---------------------------------------------------------------------
 

@@ -54,6 +54,10 @@ class StepNaming(enum.Enum):
             raise ValueError(f"step must be >= 0, got {step}")
         return f"step_{step:08d}" if self is StepNaming.DCPSTORE else f"step-{step}"
 
+    def url(self, root: str, step: int) -> str:
+        """Step ``step``'s URL under ``root``."""
+        return f"{root}/{self.prefix(step)}"
+
     def parse(self, prefix: str) -> int | None:
         """The step that ``prefix`` names in this form, or ``None``."""
         match = _STEP_RES[self].match(prefix.strip("/"))

@@ -52,7 +52,7 @@ import numpy
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from . import planner_data
-from .layout import GENERATION_DIGITS
+from .layout import generation as shard_generation
 
 PROTOCOL = pickle.HIGHEST_PROTOCOL  # what writer.finish pickles .metadata with
 _DIFF_CHUNK = 16 << 20  # bytes compared at a time: the build's memory beyond its two pickles
@@ -547,7 +547,7 @@ class CommitTemplate:
         save_ids = [value for slot, value in zip(slots, values) if slot.role in ("save_id", "index.save_id")]
         if len(save_ids) != 1 or not isinstance(save_ids[0], str):
             raise Unpatchable("the commit template's map has no save id: its shard names' generation is unknown")
-        generation = save_ids[0][:GENERATION_DIGITS]
+        generation = shard_generation(save_ids[0])
         if _names_digest(slots, values, generation) != header.get("names"):
             raise Unpatchable("this .metadata names other shards than the commit template's")
         return cls(Template(owned, slots, values), metadata, counts, generation, checksums, index, template_id)

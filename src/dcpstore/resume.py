@@ -75,7 +75,7 @@ class Resume:
         self.root, self.naming, self.storage_options, self.transfer = root, naming, storage_options, transfer
 
     def step_url(self, step: int) -> str:
-        return f"{self.root}/{self.naming.prefix(step)}"
+        return self.naming.url(self.root, step)
 
     def load(self, state_dict: dict[str, Any], step: int | None, *, allow_globals: tuple, allow_unsafe_pickle: bool) -> int:
         """Load ``step`` (``None``: the latest committed) into ``state_dict`` in place, prime the plan cache; returns the step.
