@@ -17,7 +17,9 @@
 #
 # Knobs: DCPSTORE_RGW_DIR, DCPSTORE_RGW_BLOCK_GIB (OSD block file, sparse; 8),
 # DCPSTORE_RGW_ACCESS_KEY / DCPSTORE_RGW_SECRET_KEY (the S3 user's keys),
-# DCPSTORE_RGW_TIMEOUT (seconds each readiness wait may take; 180).
+# DCPSTORE_RGW_TIMEOUT (seconds each readiness wait may take; 180),
+# DCPSTORE_RGW_FAILED_LOGS (a folder where a failed start leaves its daemons'
+# logs, which `stop` would otherwise delete with the state).
 set -euo pipefail
 
 DIR=${DCPSTORE_RGW_DIR:-/tmp/dcpstore-rgw}
@@ -141,6 +143,13 @@ osd op num shards = 2
 osd op num threads per shard = 1
 osd max object name len = 460
 osd max object namespace len = 64
+# The booting OSD would set its device class and crush location with mon
+# commands of its own; when one goes out before its MonClient holds the
+# cluster's fsid it carries a zero fsid, the monitor answers "wrong fsid",
+# and the OSD exits (seen after another cluster had run on this machine).
+# The script puts osd.0 in the crush map itself, and a device class is unused.
+osd class update on start = false
+osd crush update on start = false
 
 [client.rgw.a]
 rgw frontends = beast endpoint=127.0.0.1:$rgw_port
@@ -160,10 +169,24 @@ EOF
 start() {
     # Once more from scratch if a daemon does not come up: CI needs the tier.
     (start_once) && return 0
+    keep_logs first-try
     log "start failed; cleaning up and trying once more"
     stop_daemons
     rm -rf "$DIR"
-    (start_once)
+    (start_once) && return 0
+    keep_logs second-try
+    return 1
+}
+
+# Copy a failed start's logs to $DCPSTORE_RGW_FAILED_LOGS, if set, as $1-<log>.
+keep_logs() {
+    local kept=${DCPSTORE_RGW_FAILED_LOGS:-} f
+    [[ -n $kept && -d $DIR/log ]] || return 0
+    mkdir -p "$kept"
+    for f in "$DIR"/log/*; do
+        cp "$f" "$kept/$1-$(basename "$f")"
+    done
+    log "kept the logs of the $1 in $kept"
 }
 
 start_once() {
