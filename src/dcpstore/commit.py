@@ -24,12 +24,17 @@ user metadata (``x-amz-meta-dcpstore-save``), so one HEAD tells, without
 reading or parsing the object; it equals ``StorageMeta.save_id`` inside it,
 which is what a store without user metadata is checked by.
 
+``Destination`` is one save's side of it: what the key holds as the save
+begins (nothing, a collection's tombstone, or the checkpoint an overwrite
+replaces), the checks before the PUT (every named object still stored, the
+coordinator's ``put_deadline``), the PUT, and the objects deleted after.
+
 ``settle`` is also how a rank that lost its coordinator learns the outcome.
 Why the ranks of an ``AsyncCheckpointer`` never disagree:
 
 1. The coordinator notes ``put_deadline = now + T`` as it enters the gather
    of the write results, ``T`` being the group's collective timeout.  It
-   sends no ``.metadata`` PUT after ``put_deadline`` (``ObjectStoreWriter.commit``
+   sends no ``.metadata`` PUT after ``put_deadline`` (``Destination.commit``
    refuses to, and the save fails on the coordinator with no PUT sent),
    however long its work before the PUT takes (the resume index, the root's
    listing, a stalled store).
@@ -50,15 +55,25 @@ Why the ranks of an ``AsyncCheckpointer`` never disagree:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import logging
 import random
 import time
 
-from . import planner_data
-from .errors import ConditionalWriteError, DcpstoreError, ObjectNotFoundError
-from .layout import METADATA_KEY, NONCE_KEY, is_tombstone
+from . import planner_data, resume_index
+from .errors import (
+    CheckpointExistsError,
+    CommitOutcomeUnknownError,
+    ConditionalWriteError,
+    DcpstoreError,
+    ObjectNotFoundError,
+)
+from .layout import METADATA_KEY, NONCE_KEY, destination, is_tombstone
 from .reader import parse_metadata
 from .storage import ObjectStore, Tries
+
+logger = logging.getLogger(__name__)
 
 # What a commit tags .metadata with, as user metadata (x-amz-meta-*): NONCE_KEY
 # (layout), the nonce of the save that wrote it (= StorageMeta.save_id), and
@@ -189,3 +204,155 @@ def wait_and_settle(store: ObjectStore, nonce: str, until: float) -> Outcome:
             return outcome
         time.sleep(min(random.uniform(delay / 2, delay), until - now))
         delay = min(8.0, delay * 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replaced:
+    """The committed checkpoint an overwrite replaces, as read at planning time."""
+
+    etag: str | None
+    paths: frozenset[str]  # the shard objects its .metadata references
+
+
+@dataclasses.dataclass
+class Destination:
+    """One save's ``.metadata`` key: what it holds as the save begins, and the commit that replaces exactly that.
+
+    A new step commits with ``If-None-Match: *``; a step where a collection
+    left its tombstone (``layout.lay_tombstone``), with ``If-Match`` on the
+    tombstone's ETag noted as the save began; an overwrite, with
+    ``If-Match`` on the ETag of the ``.metadata`` read at planning time, so
+    it never replaces a commit it has not seen, and afterwards it deletes
+    exactly the shards that ``.metadata`` referenced: it never lists them.
+    A writer holds one per save (``ObjectStoreWriter.reset``); the store is
+    passed in, since a writer may move to another prefix between saves.
+    """
+
+    tombstone: str | None = None  # ETag of a collection's tombstone at .metadata as the save began
+    replaced: Replaced | None = None
+
+    def check(self, store: ObjectStore, overwrite: bool) -> bool:
+        """Refuse to save over a committed checkpoint unless ``overwrite``; True if one is there."""
+        committed = self.committed(store)
+        if committed and not overwrite:
+            raise exists_error(store)
+        return committed
+
+    def committed(self, store: ObjectStore) -> bool:
+        """Whether a checkpoint is committed here; notes a collection's tombstone, which the commit replaces."""
+        committed, self.tombstone = destination(store)
+        return committed
+
+    def read_replaced(self, store: ObjectStore) -> None:
+        """Note the committed checkpoint an overwrite would replace (planning time), if any."""
+        try:
+            raw, etag = store.get_with_etag(METADATA_KEY)
+        except ObjectNotFoundError:
+            self.replaced = None
+            return
+        if is_tombstone(len(raw)):
+            self.replaced = None  # not a checkpoint; the commit replaces only the tombstone noted as the save began
+            return
+        old = parse_metadata(raw, store.url_for(METADATA_KEY))
+        paths = {info.relative_path for info in (old.storage_data or {}).values()}
+        index = resume_index.key_of(old)
+        self.replaced = Replaced(etag, frozenset(paths | ({index} if index else set())))
+
+    def commit(
+        self,
+        store: ObjectStore,
+        raw_metadata: bytes | bytearray,
+        paths: set[str],
+        *,
+        nonce: str,
+        overwrite: bool,
+        tags: dict[str, str],
+        window: float,
+        put_deadline: float | None,
+        rank: int,
+    ) -> None:
+        """Write ``.metadata``, naming ``paths``: the one conditional PUT that makes the checkpoint exist.
+
+        Its outcome is what storage shows (``write_metadata``): an error
+        after the PUT may have taken effect is settled by reading back.
+        Refused (``CheckpointExistsError``) when another writer committed
+        first; the objects in ``paths`` are then deleted, since nothing
+        references them.  ``CommitOutcomeUnknownError`` when storage could
+        not be read back: they are kept.  After an overwrite, the replaced
+        checkpoint's shards are deleted (``overwrite``).  No PUT is sent after
+        ``put_deadline`` (``time.monotonic()``), the bound an
+        ``AsyncCheckpointer``'s peers settle by (see this module's docstring).
+        """
+        check_still_stored(store, paths)
+        if overwrite and self.replaced is None:
+            self.read_replaced(store)  # planning ran elsewhere (e.g. a cached plan)
+        replaced = self.replaced
+        if put_deadline is not None and time.monotonic() >= put_deadline:
+            # No PUT is sent: no .metadata of this save can appear, and the peers that stopped waiting know it.
+            raise DcpstoreError(
+                f"{store.url_for(METADATA_KEY)}: not written: the work before the commit took "
+                f"{time.monotonic() - put_deadline:.0f}s past the point its peers stop waiting for the coordinator"
+            )
+        outcome, error = write_metadata(
+            store, raw_metadata, nonce,
+            replaced_etag=replaced.etag if replaced is not None else self.tombstone, window=window, tags=tags,
+        )
+        if outcome is Outcome.COMMITTED:
+            if error is not None:
+                logger.warning("%s: committed (read back after the PUT failed: %s)", store.url_for(METADATA_KEY), error)
+            if replaced is not None:
+                delete_quietly(store, replaced.paths - paths, "shards of the replaced checkpoint")
+            return
+        if outcome is Outcome.REFUSED:
+            delete_quietly(store, paths, "shards of the refused commit")
+            if destination(store)[1] is not None:
+                raise DcpstoreError(
+                    f"{store.url_for(METADATA_KEY)}: not committed: a collection (`dcpstore gc`, or gc_grace) "
+                    "took this step for a failed save's debris while it committed, and deleted its shards"
+                ) from error
+            if replaced is None:
+                raise exists_error(store) from error
+            raise CheckpointExistsError(
+                f"{store.url_for(METADATA_KEY)}: Checkpoint already exists and changed since this save "
+                f"read it (another job committed in between); this save was not committed ({error})"
+            ) from error
+        if outcome is Outcome.UNKNOWN:
+            raise CommitOutcomeUnknownError(
+                store.url, {rank: f"writing .metadata failed ({error}) and storage could not be read back"}
+            ) from error
+        raise error  # FAILED: no .metadata of this save exists or can appear
+
+
+def exists_error(store: ObjectStore) -> CheckpointExistsError:
+    # torch's writers say "Checkpoint already exists"; code that matches that text keeps working.
+    return CheckpointExistsError(
+        f"{store.url_for(METADATA_KEY)}: Checkpoint already exists (a committed checkpoint is here) "
+        "and overwrite=False; pass overwrite=True to replace it"
+    )
+
+
+def check_still_stored(store: ObjectStore, paths: set[str]) -> None:
+    """Refuse to commit unless every object ``.metadata`` would name is in storage: one listing of the step.
+
+    The shards were written minutes ago, perhaps: a collection that took
+    the step for debris (see ``layout.delete_incomplete_step``), a
+    lifecycle rule or a person may have deleted them since.  No
+    ``.metadata`` is sent then, so none can name what is gone.
+    """
+    gone = sorted(paths - {o.key for o in store.list()})
+    if gone:
+        raise DcpstoreError(
+            f"{store.url_for(gone[0])}: not committed: this save wrote it, and it is gone from storage "
+            f"({len(gone)} of the {len(paths)} objects .metadata would name; deleted while the save ran, by "
+            "`dcpstore gc`, a lifecycle rule or a person); no .metadata was written"
+        )
+
+
+def delete_quietly(store: ObjectStore, keys: set[str], what: str) -> None:
+    """Delete the objects of a save nothing will reference (best effort: orphans cost space, not correctness)."""
+    if not keys:
+        return
+    try:
+        store.delete(sorted(keys))
+    except Exception as e:  # noqa: BLE001 - gc reclaims what is left
+        logger.warning("%s: could not delete %d %s: %s", store.url, len(keys), what, e)

@@ -32,7 +32,7 @@ What it promises:
   is final, and the rank returns sooner if the save's ``.metadata`` shows up.
 - **Nothing deletes shards a ``.metadata`` may name.**  Each rank deletes
   its own after a failed commit; the coordinator all of them after a
-  refused one (once, in ``ObjectStoreWriter.commit``); nobody after an
+  refused one (once, in ``commit.Destination.commit``); nobody after an
   unknown one, and no rank that settled from storage (gc reclaims).
 - **Commits are ordered by storage, not by memory.**  Each commit's
   sequence is read from the root at commit time (``steps.CommitOrder``),
@@ -112,7 +112,7 @@ class CommitProtocol:
 
         Shards are deleted only when no ``.metadata`` can name them: each
         rank its own after a failed commit, the coordinator all of them after
-        a refused one (once, in ``ObjectStoreWriter.commit``), nobody after
+        a refused one (once, in ``commit.Destination.commit``), nobody after
         an unknown one.
         """
         writer = self.writer

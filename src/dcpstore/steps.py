@@ -51,7 +51,7 @@ one of them create it:
   is refused, whenever it lands: a late attempt, a 504 that lands later
   (the tombstone is never deleted);
 - and before the PUT the commit lists its step and sends nothing if a
-  shard it would name is gone (``ObjectStoreWriter._check_still_stored``),
+  shard it would name is gone (``commit.check_still_stored``),
   whoever deleted it.
 
 So either the commit lands first, the tombstone is refused and nothing is

@@ -26,6 +26,7 @@ of two jobs racing for one prefix exactly one commits, the other gets
 committed with ``If-Match`` on the ETag of the ``.metadata`` read at planning
 time, so it never replaces a commit it has not seen, and afterwards deletes
 exactly the shards the replaced ``.metadata`` referenced: it never lists.
+That storage side of the commit is ``commit.Destination``.
 
 Plans: every rank's local plan rides to the coordinator inside its
 ``SavePlan.storage_data``, and ``finish()`` persists them in the compact
@@ -38,7 +39,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import time
 import uuid
 import weakref
 import zlib
@@ -61,10 +61,9 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import resume_index
-from .commit import Outcome, write_metadata
-from .errors import CheckpointExistsError, CommitOutcomeUnknownError, DcpstoreError, ObjectNotFoundError
-from .layout import METADATA_KEY, destination, generation, is_tombstone
-from .reader import parse_metadata
+from .commit import Destination, delete_quietly
+from .errors import DcpstoreError
+from .layout import generation
 from .staging import StagedItems, StagingPool
 from .metadata_builder import MetadataBuilder
 from .persisted_plans import PersistedPlans, attach_local_plan
@@ -74,14 +73,6 @@ from .storage import ObjectStore, StoreOwner, ThrottleClock, TransferConfig, che
 logger = logging.getLogger(__name__)
 
 DEFAULT_OBJECTS_PER_RANK = 4  # shard objects a rank writes at once
-
-@dataclasses.dataclass(frozen=True)
-class _Replaced:
-    """The committed checkpoint an overwrite replaces, as read at planning time."""
-
-    etag: str | None
-    paths: frozenset[str]  # the shard objects its .metadata references
-
 
 class _StagedStateDict(dict):
     """What ``ObjectStoreWriter.stage`` returns: a plain dict that can carry a finalizer (its pool's way back)."""
@@ -234,8 +225,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self.rank = 0
         self.is_coordinator = True
         self.plans = PersistedPlans()  # the ranks' local plans finish() persists
-        self._replaced: _Replaced | None = None
-        self._tombstone: str | None = None  # ETag of a collection's tombstone at .metadata as the save began (see commit)
+        self.destination = Destination()  # what this save's commit replaces (see commit.Destination)
         # What an AsyncCheckpointer's commit records (see steps.CommitRecord): user metadata and planner_data.
         self.commit_tags: dict[str, str] = {}
         self.commit_record: dict[str, Any] | None = None
@@ -260,41 +250,17 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
 
     def check_destination(self) -> bool:
         """Refuse to save over a committed checkpoint unless ``overwrite``; True if one is there."""
-        committed = self.destination_committed()
-        if committed and not self.overwrite:
-            raise self._exists_error()
-        return committed
+        return self.destination.check(self.store, self.overwrite)
 
     def destination_committed(self) -> bool:
-        """Whether a checkpoint is committed where this save goes; notes a collection's tombstone there, which the commit replaces."""
-        committed, self._tombstone = destination(self.store)
-        return committed
-
-    def _exists_error(self) -> CheckpointExistsError:
-        # torch's writers say "Checkpoint already exists"; code that matches that text keeps working.
-        return CheckpointExistsError(
-            f"{self.store.url_for(METADATA_KEY)}: Checkpoint already exists (a committed checkpoint is here) "
-            "and overwrite=False; pass overwrite=True to replace it"
-        )
+        """Whether a checkpoint is committed where this save goes (see ``commit.Destination.committed``)."""
+        return self.destination.committed(self.store)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         self.plans.from_global_step(plans)
         if self.overwrite:
-            self._replaced = self._read_replaced()
+            self.destination.read_replaced(self.store)
         return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{rank}_")) for rank, plan in enumerate(plans)]
-
-    def _read_replaced(self) -> _Replaced | None:
-        """The committed checkpoint this save would replace, or ``None``."""
-        try:
-            raw, etag = self.store.get_with_etag(METADATA_KEY)
-        except ObjectNotFoundError:
-            return None
-        if is_tombstone(len(raw)):
-            return None  # not a checkpoint; the commit replaces only the tombstone noted as the save began
-        old = parse_metadata(raw, self.store.url_for(METADATA_KEY))
-        paths = {info.relative_path for info in (old.storage_data or {}).values()}
-        index = resume_index.key_of(old)
-        return _Replaced(etag, frozenset(paths | ({index} if index else set())))
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self.is_coordinator:
@@ -377,7 +343,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         )
         if built is None:
             if self._index_key is not None:  # written for a commit that is not made: nothing will name it
-                self._delete_quietly({self._index_key}, "resume index")
+                delete_quietly(self.store, {self._index_key}, "resume index")
             self._index_key, self._index_tags = None, {}
             return False
         self.commit(*built)
@@ -398,91 +364,23 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
             self.store.put(pointer["key"], b"".join(parts))
         except Exception as e:  # noqa: BLE001 - an optional cache: the commit goes on without it
             logger.warning("%s: could not write the resume index (%s); restarts will read .metadata", self.url, e)
-            self._delete_quietly({pointer["key"]}, "resume index")
+            delete_quietly(self.store, {pointer["key"]}, "resume index")
             return False
         self._index_key, self._index_tags = pointer["key"], resume_index.tags(pointer)
         return True
 
     def commit(self, raw_metadata: bytes | bytearray, paths: set[str]) -> None:
-        """Write ``.metadata``: the one conditional PUT that makes the checkpoint exist.
-
-        Its outcome is what storage shows (see ``commit``): an error after
-        the PUT may have taken effect is settled by reading back.  Refused
-        (``CheckpointExistsError``) when another writer committed first;
-        the shards of this save are then deleted, since nothing references
-        them.  ``CommitOutcomeUnknownError`` when storage could not be read
-        back: the shards are kept.  After an overwrite, the replaced
-        checkpoint's shards are deleted.
-        """
-        new_paths = paths | ({self._index_key} if self._index_key else set())
-        self._check_still_stored(new_paths)
-        if self.overwrite and self._replaced is None:
-            self._replaced = self._read_replaced()  # planning ran elsewhere (e.g. a cached plan)
-        replaced = self._replaced
-        if self.put_deadline is not None and time.monotonic() >= self.put_deadline:
-            # No PUT is sent: no .metadata of this save can appear, and the peers that stopped waiting know it.
-            raise DcpstoreError(
-                f"{self.store.url_for(METADATA_KEY)}: not written: the work before the commit took "
-                f"{time.monotonic() - self.put_deadline:.0f}s past the point its peers stop waiting for the coordinator"
-            )
-        outcome, error = write_metadata(
-            self.store, raw_metadata, self.save_id,
-            replaced_etag=replaced.etag if replaced is not None else self._tombstone, window=self.commit_window,
-            tags={**self.commit_tags, **self._index_tags},
+        """Write ``.metadata`` naming ``paths`` and this save's resume index (see ``commit.Destination.commit``)."""
+        self.destination.commit(
+            self.store, raw_metadata, paths | ({self._index_key} if self._index_key else set()),
+            nonce=self.save_id, overwrite=self.overwrite, tags={**self.commit_tags, **self._index_tags}, window=self.commit_window,
+            put_deadline=self.put_deadline, rank=self.rank,
         )
-        if outcome is Outcome.COMMITTED:
-            if error is not None:
-                logger.warning("%s: committed (read back after the PUT failed: %s)", self.store.url_for(METADATA_KEY), error)
-            if replaced is not None:
-                self._delete_quietly(replaced.paths - new_paths, "shards of the replaced checkpoint")
-            return
-        if outcome is Outcome.REFUSED:
-            self._delete_quietly(new_paths, "shards of the refused commit")
-            if destination(self.store)[1] is not None:
-                raise DcpstoreError(
-                    f"{self.store.url_for(METADATA_KEY)}: not committed: a collection (`dcpstore gc`, or gc_grace) "
-                    "took this step for a failed save's debris while it committed, and deleted its shards"
-                ) from error
-            if replaced is None:
-                raise self._exists_error() from error
-            raise CheckpointExistsError(
-                f"{self.store.url_for(METADATA_KEY)}: Checkpoint already exists and changed since this save "
-                f"read it (another job committed in between); this save was not committed ({error})"
-            ) from error
-        if outcome is Outcome.UNKNOWN:
-            raise CommitOutcomeUnknownError(
-                self.url, {self.rank: f"writing .metadata failed ({error}) and storage could not be read back"}
-            ) from error
-        raise error  # FAILED: no .metadata of this save exists or can appear
-
-    def _check_still_stored(self, paths: set[str]) -> None:
-        """Refuse to commit unless every object ``.metadata`` would name is in storage: one listing of the step.
-
-        The shards were written minutes ago, perhaps: a collection that took
-        the step for debris (see ``layout.delete_incomplete_step``), a
-        lifecycle rule or a person may have deleted them since.  No
-        ``.metadata`` is sent then, so none can name what is gone.
-        """
-        gone = sorted(paths - {o.key for o in self.store.list()})
-        if gone:
-            raise DcpstoreError(
-                f"{self.store.url_for(gone[0])}: not committed: this save wrote it, and it is gone from storage "
-                f"({len(gone)} of the {len(paths)} objects .metadata would name; deleted while the save ran, by "
-                "`dcpstore gc`, a lifecycle rule or a person); no .metadata was written"
-            )
 
     def delete_shards(self, results: list[WriteResult]) -> None:
         """Delete the shard objects of a save that was not committed (best effort)."""
         own = {r.storage_data.relative_path for r in results} | ({self._index_key} if self._index_key else set())
-        self._delete_quietly(own, "shards of an uncommitted save")
-
-    def _delete_quietly(self, keys: set[str], what: str) -> None:
-        if not keys:
-            return
-        try:
-            self.store.delete(sorted(keys))
-        except Exception as e:  # noqa: BLE001 - orphans cost space, not correctness; gc reclaims them
-            logger.warning("%s: could not delete %d %s: %s", self.url, len(keys), what, e)
+        delete_quietly(self.store, own, "shards of an uncommitted save")
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
