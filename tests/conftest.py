@@ -122,6 +122,10 @@ def s3(endpoint):
 S3_PREFIX_WRITE_RATE = 3500.0
 
 
+# client_environment() -> server_of({}) under it (see bucket).
+_ENVIRONMENT_SERVERS: dict[str, str] = {}
+
+
 @pytest.fixture
 def bucket(s3, endpoint, request):
     """A fresh bucket for the test.
@@ -135,13 +139,18 @@ def bucket(s3, endpoint, request):
     ``ThrottleModel`` in ``test_throttling.py``) keeps the slow start.  Ranks
     in processes of their own start as they would anyway.
     """
-    from dcpstore.storage.s3_requests import server_of
+    from dcpstore.storage.s3_requests import client_environment, server_of
     from dcpstore.storage.throttle import RATES
 
     name = f"test-{uuid.uuid4().hex[:12]}"
     s3.create_bucket(Bucket=name)
     if request.node.get_closest_marker("slow_start") is None:
-        servers = [server_of({})]  # the AWS environment's endpoint, which the endpoint fixture set
+        # The AWS environment's endpoint, which the endpoint fixture set.  server_of
+        # makes a botocore session (0.3 s of service-model parsing), once per environment here.
+        environment = client_environment()
+        if environment not in _ENVIRONMENT_SERVERS:
+            _ENVIRONMENT_SERVERS[environment] = server_of({})
+        servers = [_ENVIRONMENT_SERVERS[environment]]
         if "proxy" in request.fixturenames:
             servers.append(server_of({"endpoint_url": request.getfixturevalue("proxy").endpoint}))
         for server in servers:

@@ -49,11 +49,23 @@ def test_a_size_from_the_bucket_allocates_nothing():
     assert loads_metadata(pickle.dumps(bytearray(b"abc"), protocol=3), URL) == bytearray(b"abc")
 
 
+COLLIDING = (1 << 61) - 1  # hash(k * COLLIDING) == 0 for every k
+
+
+def _pickle_of_colliding_keys(n: int) -> bytes:
+    """The pickle of ``{k * COLLIDING: None for k in range(1, n)}``, written opcode by opcode.
+
+    EMPTY_DICT, MARK, a LONG1 key and None per item, SETITEMS: building the
+    dict itself would cost the test the quadratic time it checks for.
+    """
+    keys = ((k * COLLIDING).to_bytes(((k * COLLIDING).bit_length() + 8) // 8, "little", signed=True) for k in range(1, n))
+    return b"\x80\x04}(" + b"".join(b"\x8a" + bytes([len(key)]) + key + b"N" for key in keys) + b"u."
+
+
 def test_colliding_int_keys_cost_linear_time():
     """Half a MiB of int keys that all hash alike took 12 s and grew with the square of the size."""
-    modulus = (1 << 61) - 1  # hash(k * modulus) == 0 for every k
-    keys = {k * modulus: None for k in range(1, 32_000)}
-    raw = pickle.dumps(keys, protocol=4)
+    assert pickle.loads(_pickle_of_colliding_keys(100)) == {k * COLLIDING: None for k in range(1, 100)}
+    raw = _pickle_of_colliding_keys(32_000)
     assert 400_000 < len(raw) < 1_000_000
     _refused_fast(raw, f"more than {MAX_PREDICTABLE_KEYS} dict or set keys")
 

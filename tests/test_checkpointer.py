@@ -47,7 +47,11 @@ def test_save_returns_before_upload_finishes(bucket, proxy):
 
 @pytest.mark.parametrize(
     "world_size,planning,plan_collective",
-    [(2, "central", "scatter_object_list"), (4, "central", "scatter_object_list"), (2, "decentralized", "all_gather_object")],
+    [
+        (2, "central", "scatter_object_list"),
+        pytest.param(4, "central", "scatter_object_list", marks=pytest.mark.slow),
+        (2, "decentralized", "all_gather_object"),
+    ],
 )
 @pytest.mark.also_rgw(world_size=2, planning="central")
 def test_plans_are_exchanged_once_then_reused(world_size, planning, plan_collective, bucket, s3):

@@ -88,7 +88,7 @@ _filesystems_lock = threading.Lock()
 _servers: dict[int, str] = {}
 
 
-def _client_environment() -> str:
+def client_environment() -> str:
     """A digest of the client environment (not the values: the key must hold no secret)."""
     return hashlib.sha256(repr([os.environ.get(name) for name in _CLIENT_ENVIRONMENT]).encode()).hexdigest()
 
@@ -138,7 +138,7 @@ class S3Requests(ObjectStore):
         """
         protocol, rest = url.split("://", 1)
         key = (protocol, repr(sorted(storage_options.items())), transfer)
-        environment = _client_environment()
+        environment = client_environment()
         with _filesystems_lock:
             made_in, fs = _filesystems.get(key, (None, None))
             if fs is None or made_in != environment:
