@@ -116,7 +116,7 @@ def rank_main(rank: int, world_size: int, init_file: str, job: dict, results) ->
             report("closed")
         except Exception as e:  # noqa: BLE001
             report("close_error", f"{type(e).__name__}: {e}"[:500])
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
+    except BaseException:  # noqa: BLE001 - reported to the parent
         import traceback
 
         report("crash", traceback.format_exc()[-3000:])

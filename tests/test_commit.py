@@ -8,7 +8,6 @@ committed with a loadable step, or failed with no ``.metadata`` left; never
 """
 
 import pytest
-import torch
 
 from conftest import object_exists, read_metadata_raw
 from dist_utils import run_ranks

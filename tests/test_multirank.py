@@ -1,6 +1,5 @@
 """ObjectStoreWriter / Reader under dcp.save / dcp.load on real gloo groups (world size 2 and 4)."""
 
-import os
 import re
 import time
 

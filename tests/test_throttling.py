@@ -11,7 +11,6 @@ floor a test can hold.
 
 import asyncio
 import math
-import os
 import threading
 import time
 import types

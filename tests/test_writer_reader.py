@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _Em
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
 import dcpstore
-from conftest import object_exists, read_metadata_raw
+from conftest import read_metadata_raw
 from dcpstore import planner_data
 from helpers import assert_state_dict_equal, sample_state_dict, zeros_like_state_dict
 
