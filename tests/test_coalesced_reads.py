@@ -1,5 +1,8 @@
 """The reader fetches many small items with few ranged GETs (``reader.coalesce``)."""
 
+import uuid
+
+import boto3
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,14 +24,23 @@ def shard_gets(proxy) -> list[str]:
     return [path for method, path in proxy.requests if method == "GET" and ".distcp" in path]
 
 
-@pytest.fixture
-def small_checkpoint(bucket, proxy):
+@pytest.fixture(scope="module")
+def saved_small(moto_endpoint):
+    """One save of N_SMALL tensors for the module (3 s of serializing them); each test reads a copy of its own."""
     sd = small_tensors(N_SMALL)
-    url = f"s3://{bucket}/small"
-    options = {"endpoint_url": proxy.endpoint}
-    dcp.save(sd, storage_writer=dcpstore.ObjectStoreWriter(url, storage_options=options), no_dist=True)
+    source = f"test-small-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=source)
+    dcp.save(sd, storage_writer=dcpstore.ObjectStoreWriter(f"s3://{source}/small"), no_dist=True)
+    return sd, source
+
+
+@pytest.fixture
+def small_checkpoint(saved_small, bucket, proxy, s3):
+    sd, source = saved_small
+    for o in s3.list_objects_v2(Bucket=source, Prefix="small/")["Contents"]:
+        s3.copy_object(Bucket=bucket, Key=o["Key"], CopySource={"Bucket": source, "Key": o["Key"]})
     proxy.clear()
-    return sd, url, options
+    return sd, f"s3://{bucket}/small", {"endpoint_url": proxy.endpoint}
 
 
 def test_thousands_of_small_tensors_take_one_get_per_object(small_checkpoint, proxy, s3, bucket):

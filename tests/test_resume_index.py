@@ -142,6 +142,7 @@ def test_a_reader_given_the_state_dict_reads_only_its_share(saved_by, bucket, s3
         assert _index_gets(proxy, "step_00000030") == [(offset, offset + length)] * 2
 
 
+# "truncated" takes the path of "deleted" (the coordinator finds no readable directory): the slow tier runs it.
 @pytest.mark.parametrize("damage", ["deleted", "corrupted", pytest.param("truncated", marks=pytest.mark.slow)])
 def test_a_missing_or_damaged_index_falls_back_to_metadata_with_a_warning(damage, bucket, s3, proxy):
     root = f"s3://{bucket}/run"
