@@ -432,10 +432,16 @@ def test_a_rate_nothing_calibrated_starts_low_doubles_while_paced_and_drops_to_w
     assert first.calibrated and first.rate == 3500 / 8
 
 
-def test_a_background_abort_is_not_bound_by_the_saves_spent_throttle_budget(bucket, s3, proxy):
-    """An abort that failed in the save goes on in the background, where a SlowDown is retried, not the end of a round."""
+def test_a_background_abort_is_not_bound_by_the_saves_spent_throttle_budget(bucket, s3, proxy, monkeypatch):
+    """An abort that failed in the save goes on in the background, where a SlowDown is retried, not the end of a round.
+
+    One background round (and ``settle_aborts``' one more try): three
+    SlowDowns get through only if the round retries them.
+    """
+    from dcpstore.storage import s3 as s3_store
     from dcpstore.storage.throttle import ThrottleClock
 
+    monkeypatch.setattr(s3_store, "ABORT_ROUNDS", 1)
     upload = s3.create_multipart_upload(Bucket=bucket, Key="late/shard")["UploadId"]
     store = _store(bucket, proxy, "late", retry=RetryPolicy(initial_backoff=0.01, max_backoff=0.05, throttle_budget=5.0))
     store.save_throttle = ThrottleClock(budget=0.0)  # the save that left it spent its whole budget
