@@ -32,9 +32,18 @@ def rank_context():
     return _ctx
 
 
-def _entry(fn, rank, world_size, init_file, results, args, collective_timeout, start, environ):
+def in_environment(environ: dict, fn, *args):
+    """Run ``fn(*args)`` in the environment ``environ``: a rank's start, with the caller's environment.
+
+    The forkserver's own environment is from when it started; a test may
+    have changed the caller's since (``monkeypatch.setenv``).
+    """
     os.environ.clear()
-    os.environ.update(environ)  # the caller's, now: the forkserver's is from when it started
+    os.environ.update(environ)
+    return fn(*args)
+
+
+def _entry(fn, rank, world_size, init_file, results, args, collective_timeout, start):
     import torch.distributed as dist
 
     try:
@@ -96,7 +105,10 @@ def run_ranks(
     os.close(fd)
     os.unlink(init_file)
     procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, init_file, results, args, collective_timeout, start, dict(os.environ)))
+        ctx.Process(
+            target=in_environment,
+            args=(dict(os.environ), _entry, fn, r, world_size, init_file, results, args, collective_timeout, start),
+        )
         for r in range(world_size)
     ]
     for p in procs:

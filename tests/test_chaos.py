@@ -40,7 +40,7 @@ import torch.distributed.checkpoint as dcp
 
 import dcpstore
 from chaos_worker import BIG, ROWS, full_state, rank_main
-from dist_utils import rank_context
+from dist_utils import in_environment, rank_context
 from s3server import ThrottleModel
 
 ITERATIONS = int(os.environ.get("DCPSTORE_CHAOS_ITERATIONS", "6"))  # the campaign's (slow tier)
@@ -78,7 +78,10 @@ class _Job:
         os.close(fd)
         os.unlink(init_file)
         self.name, self.world_size, self.spec, self.init_file = name, world_size, {**spec, "name": name}, init_file
-        self.procs = [ctx.Process(target=rank_main, args=(r, world_size, init_file, self.spec, results)) for r in range(world_size)]
+        self.procs = [
+            ctx.Process(target=in_environment, args=(dict(os.environ), rank_main, r, world_size, init_file, self.spec, results))
+            for r in range(world_size)
+        ]
         self.reports: dict[int, list] = collections.defaultdict(list)
         self.killed: set[int] = set()
         for p in self.procs:
