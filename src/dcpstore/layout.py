@@ -28,10 +28,6 @@ METADATA_KEY = ".metadata"  # a DCP checkpoint exists exactly when this object d
 NONCE_KEY = "dcpstore-save"
 GENERATION_DIGITS = 16  # a shard name's generation: the first hex digits of its save's id, one length every save
 
-
-def generation(save_id: str) -> str:
-    """The generation a save's shard names carry (``__{rank}_{generation}_{n}.distcp``): its id's first ``GENERATION_DIGITS`` hex digits."""
-    return save_id[:GENERATION_DIGITS]
 # What a collection writes as a failed save's .metadata before it deletes the
 # shards, so that a commit still in flight cannot land (see steps).  Unique
 # per write (its ETag is), and of a fixed size far below any pickled Metadata
@@ -41,6 +37,10 @@ def generation(save_id: str) -> str:
 TOMBSTONE_PREFIX = b"dcpstore gc: no checkpoint here "
 TOMBSTONE_SIZE = len(TOMBSTONE_PREFIX) + 32
 
+
+def generation(save_id: str) -> str:
+    """The generation a save's shard names carry (``__{rank}_{generation}_{n}.distcp``): its id's first ``GENERATION_DIGITS`` hex digits."""
+    return save_id[:GENERATION_DIGITS]
 
 
 class StepNaming(enum.Enum):

@@ -36,6 +36,7 @@ from .shard_writing import ChecksummedWriteResult
 
 logger = logging.getLogger(__name__)
 
+
 def template_id(save_id: str) -> int:
     """A save's id as a positive int64, for the tensor collective of a patched commit (an ``AsyncCheckpointer``'s nonce is 62 bits)."""
     return int(save_id[:15], 16) + 1
