@@ -153,6 +153,11 @@ class AsyncCheckpointer:
             running statistics), not an in-place op on a parameter.
         step_naming: how step prefixes are named (``layout.StepNaming``).
             The checkpointer sees only the steps named its way.
+        read_once: ``load`` reads each stored item that several ranks load
+            (every rank under DDP, every replica group under HSDP) from the
+            bucket once, on one of them, and sends it to the others over
+            the checkpointer's group (see ``cooperative_load``).  ``False``
+            reads each rank's items from the bucket, as a lone rank would.
     """
 
     def __init__(
@@ -174,6 +179,7 @@ class AsyncCheckpointer:
         overlap_copy: bool = False,
         gc_grace: float | None = None,
         step_naming: StepNaming = StepNaming.DCPSTORE,
+        read_once: bool = True,
     ):
         if planning not in PLANNING_MODES:
             raise ValueError(f"planning must be one of {PLANNING_MODES}, got {planning!r}")
@@ -220,6 +226,7 @@ class AsyncCheckpointer:
         self._resume = Resume(
             self._coll, self.store, self._order, self._writer, self.plan_cache, planner_factory,
             root=self.root, naming=self.step_naming, storage_options=self.storage_options, transfer=self.transfer,
+            read_once=read_once,
         )
         self._pools = [StagingPool(pin_memory) for _ in range(max_in_flight)]
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcpstore-save")

@@ -48,7 +48,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from . import planner_data, resume_index, resume_share
+from . import cooperative_load, planner_data, resume_index, resume_share
 from .errors import (
     BucketNotFoundError,
     CheckpointNotFoundError,
@@ -101,6 +101,15 @@ class ObjectStoreReader(StorageReader, StoreOwner):
             ``DefaultLoadPlanner`` then runs ``torch.load(weights_only=False)``
             on them: only for buckets where you trust everyone who can write.
             ``.metadata`` is always read with the allow-list.
+        read_once: read each stored item that several ranks load from the
+            bucket once, on one of them, and send it to the others
+            (``cooperative_load``): under DDP or HSDP a job reads the
+            checkpoint once, not once per replica.  ``True``: over the
+            default process group; or the group ``dcp.load`` runs on (a
+            gloo group: items travel as host memory).  Every rank of the
+            load must pass it.  A rank checks the crc32 of what it reads
+            before it sends it on; a failed read fails the load on every
+            rank, naming the rank that read it.
         state_dict: the state dict this rank loads into, the one passed to
             ``dcp.load``.  With it, ``read_metadata`` reads only this rank's
             share of a dcpstore checkpoint from its resume index (one HEAD
@@ -128,6 +137,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         verify_before_landing: bool = False,
         allow_globals: Iterable[Any] = (),
         allow_unsafe_pickle: bool = False,
+        read_once: bool | dist.ProcessGroup = False,
         state_dict: dict[str, Any] | None = None,
         _extension_registry: ExtensionRegistry | None = None,
         **fsspec_options: Any,
@@ -144,6 +154,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         self.verify_before_landing = verify_before_landing
         self.allow_globals = list(allow_globals)
         self.allow_unsafe_pickle = allow_unsafe_pickle
+        self.read_once = read_once
         self._store: ObjectStore | None = None
         self.reset(url)
 
@@ -168,6 +179,12 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         self.storage_data: dict = {}
         self._checksums: dict = {}
         self.metadata: Metadata | None = None
+        #: Bytes this reader asked the store for since ``reset``: ranges as fetched (gaps and refetches included).
+        self.bytes_read = 0
+        self._wanted: list[list] = []  # read_once: each stored item this rank names, as its storage indexes
+        #: What stopped this rank's part of a cooperative load (``read_once``), kept for the caller: when a
+        #: peer died, torch's closing gather fails on it and raises its own error, not this one.
+        self.failure: BaseException | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's metadata, read once per ``reset``.
@@ -228,10 +245,24 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         self._checksums = planner_data.read_checksums(metadata, where) if self.verify_checksums else {}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        """With ``read_once``: the plan names the stored items it reads (``cooperative_load.Wanted``), for the coordinator."""
+        if not self.read_once:
+            return plan
+        places: dict[tuple, list] = {}
+        for req in plan.items:
+            info = self.storage_data.get(req.storage_index)
+            if info is not None:
+                indexes = places.setdefault((info.relative_path, info.offset, info.length), [])
+                if req.storage_index not in indexes:
+                    indexes.append(req.storage_index)
+        self._wanted = list(places.values())
+        return dataclasses.replace(plan, storage_data=cooperative_load.Wanted(tuple(places)))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """With ``read_once``: who reads each stored item that several ranks need, and who receives it (``cooperative_load.plan``)."""
+        if not self.read_once:
+            return plans
+        return cooperative_load.plan(plans, round_bytes=max(self.readahead_bytes // 2, 1))
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         # Several ReadItems may need the same stored item (resharding): fetch it once.
@@ -243,6 +274,64 @@ class ObjectStoreReader(StorageReader, StoreOwner):
                     f"(offset {tuple(req.storage_index.offset or ())})"
                 )
             needed.setdefault(req.storage_index, []).append(req)
+        assignment = plan.storage_data
+        if isinstance(assignment, cooperative_load.Assignment):
+            shared = assignment.shared()
+            self._read_shared(assignment, needed, planner)
+            for place in shared:
+                for index in self._wanted[place]:
+                    needed.pop(index, None)
+        self._read_alone(needed, planner)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _read_shared(self, assignment: cooperative_load.Assignment, needed: dict, planner: LoadPlanner) -> None:
+        """The items this rank reads with its peers: each fetched by one owner, checked there, sent to the others."""
+        group = self.read_once if isinstance(self.read_once, dist.ProcessGroup) else None
+
+        def infos(place: int) -> list[tuple[_StorageInfo, list[ReadItem]]]:
+            return [(self.storage_data[i], needed[i]) for i in self._wanted[place] if i in needed]
+
+        def describe(place: int) -> str:
+            index = self._wanted[place][0]
+            info = self.storage_data[index]
+            return f"{self.store.url_for(info.relative_path)} (item {index.fqn!r}, bytes {info.offset}+{info.length})"
+
+        targets: dict[int, list] = {}
+
+        def device_of(places: list[int]) -> torch.device | None:
+            device = None
+            for place in places:
+                targets[place] = [
+                    [planner.resolve_tensor(req).detach() for req in reqs] if reqs[0].type == LoadItemType.TENSOR else None
+                    for _, reqs in infos(place)
+                ]
+                device = device or next((t[0].device for t in targets[place] if t and t[0].is_cuda), None)
+            return device
+
+        def fetch(owned: list[tuple[int, memoryview]]) -> _OwnedFetch:
+            return _OwnedFetch(self, [(place, info, reqs, view) for place, view in owned for info, reqs in infos(place)[:1]])
+
+        def deliver(place: int, view: memoryview, region) -> None:
+            for (info, reqs), dests in zip(infos(place), targets.pop(place)):
+                landing = ItemLanding(info.length, None, view)
+                self._deliver(reqs, info, dests, landing, planner, functools.partial(buffers.copy, region), checked=True)
+
+        lengths = [self.storage_data[indexes[0]].length for indexes in self._wanted]
+        buffers = LoadBuffers(self.readahead_bytes)
+        try:
+            cooperative_load.Exchange(assignment, lengths, group, describe).run(buffers, device_of, fetch, deliver)
+        except BaseException as e:
+            self.failure = e
+            raise
+        finally:
+            buffers.close()
+
+    def _read_alone(self, needed: dict, planner: LoadPlanner) -> None:
+        """The items this rank reads by itself: coalesced ranged reads, a window of them in flight."""
+        if not needed:
+            return
         ranges = coalesce(
             [(self.storage_data[index], reqs) for index, reqs in needed.items()],
             gap_bytes=self.coalesce_gap_bytes,
@@ -278,6 +367,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
                     prepared = None
                     sink = RangeScatter([(info.offset - r.start, landing) for info, _, _, landing in items])
                     pending.append((r, items, region, sink, self.store.get_range_async(r.key, r.start, r.end, sink)))
+                    self.bytes_read += r.end - r.start
                     in_flight += r.end - r.start
                     position += 1
                 r, items, region, _, fut = pending[0]
@@ -300,9 +390,6 @@ class ObjectStoreReader(StorageReader, StoreOwner):
                 logger.warning("%s: could not release the load's host memory: %r", self.url, e)
             raise
         buffers.close()
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
 
     def _prepare(self, info: _StorageInfo, reqs: list[ReadItem], planner: LoadPlanner, claims: DestinationClaims):
         """``(info, reqs, targets, buffered)`` for an item about to be fetched.
@@ -329,22 +416,35 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         """Where an item that is not buffered lands: a tensor's data in its destination, anything else in a buffer of its own."""
         return ItemLanding(info.length, targets[0] if targets else None)
 
-    def _deliver(self, reqs: list[ReadItem], info: _StorageInfo, targets, landing: ItemLanding, planner: LoadPlanner, copy) -> None:
-        """Check ``landing``'s bytes and hand them to the planner; ``copy(target, source)`` moves a tensor to its destination."""
-        where = f"{self.store.url_for(info.relative_path)} (item {reqs[0].storage_index.fqn!r}, bytes {info.offset}+{info.length})"
+    def _where(self, info: _StorageInfo, reqs: list[ReadItem]) -> str:
+        return f"{self.store.url_for(info.relative_path)} (item {reqs[0].storage_index.fqn!r}, bytes {info.offset}+{info.length})"
+
+    def _checked(self, reqs: list[ReadItem], info: _StorageInfo, landing: ItemLanding) -> ItemLanding:
+        """``landing``, or a second fetch's when its crc32 fails; ``CorruptCheckpointError`` when that fails too."""
         expected = self._checksums.get(reqs[0].storage_index)
-        if expected is not None and landing.crc32() != expected:
-            # Bytes damaged on the way are fetched once more; damaged in storage, they fail again.
-            landing = ItemLanding(info.length, landing.target, landing.buffer if landing.target is None else None)
-            end = info.offset + info.length
-            self.store.get_range_async(info.relative_path, info.offset, end, RangeScatter([(0, landing)])).result()
-            if landing.crc32() != expected:
-                fate = (
-                    f"the tensor {reqs[0].dest_index.fqn!r} now holds these unverified bytes"
-                    if landing.in_destination
-                    else "its destination keeps its old contents"
-                )
-                raise CorruptCheckpointError(f"{where}: checksum mismatch on two fetches, the shard object is corrupted; {fate}")
+        if expected is None or landing.crc32() == expected:
+            return landing
+        # Bytes damaged on the way are fetched once more; damaged in storage, they fail again.
+        landing = ItemLanding(info.length, landing.target, landing.buffer if landing.target is None else None)
+        end = info.offset + info.length
+        self.bytes_read += info.length
+        self.store.get_range_async(info.relative_path, info.offset, end, RangeScatter([(0, landing)])).result()
+        if landing.crc32() != expected:
+            fate = (
+                f"the tensor {reqs[0].dest_index.fqn!r} now holds these unverified bytes"
+                if landing.in_destination
+                else "its destination keeps its old contents"
+            )
+            raise CorruptCheckpointError(f"{self._where(info, reqs)}: checksum mismatch on two fetches, the shard object is corrupted; {fate}")
+        return landing
+
+    def _deliver(
+        self, reqs: list[ReadItem], info: _StorageInfo, targets, landing: ItemLanding, planner: LoadPlanner, copy, checked: bool = False
+    ) -> None:
+        """Check ``landing``'s bytes (unless ``checked`` already) and hand them to the planner; ``copy(target, source)`` moves a tensor to its destination."""
+        where = self._where(info, reqs)
+        if not checked:
+            landing = self._checked(reqs, info, landing)
         raw = landing.leftover()
         if raw is None:  # the data landed in the destination, as torch.load would read it
             planner.commit_tensor(reqs[0], landing.target)
@@ -377,6 +477,50 @@ class ObjectStoreReader(StorageReader, StoreOwner):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return is_store_url(checkpoint_id)
+
+
+class _OwnedFetch:
+    """The GETs of the items this rank reads for its peers in a round of a cooperative load, into the ring's buffers.
+
+    ``ready`` hands over each item once it is there and its crc32 checked
+    (one refetch, as any read), or with the error that stopped it: the
+    exchange sends nothing as checked that was not.
+    """
+
+    def __init__(self, reader: ObjectStoreReader, items: list[tuple[int, _StorageInfo, list[ReadItem], memoryview]]):
+        self.reader = reader
+        ranges = coalesce(
+            [(info, (place, reqs, ItemLanding(info.length, None, view))) for place, info, reqs, view in items],
+            gap_bytes=reader.coalesce_gap_bytes,
+            max_bytes=max(reader.readahead_bytes // 8, reader.transfer.part_size),
+        )
+        self.pending = []
+        for r in ranges:
+            sink = RangeScatter([(info.offset - r.start, landing) for info, (_, _, landing) in r.items])
+            self.pending.append((r, sink, reader.store.get_range_async(r.key, r.start, r.end, sink)))
+            reader.bytes_read += r.end - r.start
+
+    def ready(self):
+        for r, _, fut in self.pending:
+            try:
+                fut.result()
+                error = None
+            except Exception as e:  # noqa: BLE001 - the exchange reports it to every rank
+                error = e
+            for info, (place, reqs, landing) in r.items:
+                if error is None:
+                    try:
+                        self.reader._checked(reqs, info, landing)
+                    except Exception as e:  # noqa: BLE001
+                        yield place, e
+                        continue
+                yield place, error
+
+    def cancel(self) -> None:
+        for _, sink, fut in self.pending:
+            sink.abort()
+            fut.cancel()
+        concurrent.futures.wait([fut for *_, fut in self.pending])
 
 
 def undo_transforms(raw: bytes | memoryview, info: _StorageInfo, transforms: _StorageReaderTransforms, where: str):

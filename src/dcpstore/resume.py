@@ -69,10 +69,12 @@ class Resume:
         naming: StepNaming,
         storage_options: dict[str, Any],
         transfer: TransferConfig,
+        read_once: bool = True,
     ):
         self.coll, self.store, self.order, self.writer = coll, store, order, writer
         self.plan_cache, self.planner_factory = plan_cache, planner_factory
         self.root, self.naming, self.storage_options, self.transfer = root, naming, storage_options, transfer
+        self.read_once = read_once
 
     def step_url(self, step: int) -> str:
         return self.naming.url(self.root, step)
@@ -102,6 +104,8 @@ class Resume:
             step, entry = shared
             url = self.step_url(step)
             reader = self._reader(step, allow_globals, allow_unsafe_pickle)
+            if self.read_once and self.coll.enabled:
+                reader.read_once = self.coll.group
             flat_sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
             if entry is not None:
                 share = self._read_share(reader, entry, flat_sd, url)
@@ -124,6 +128,11 @@ class Resume:
         except CheckpointException as e:
             failures = {rank: wrapped[0] for rank, wrapped in e.failures.items()}
             raise CheckpointLoadError(self.step_url(step), step, failures) from failures[min(failures)]
+        except Exception as e:
+            if reader is None or reader.failure is None:
+                raise
+            # A peer died in the cooperative load: torch's closing gather broke on it, this rank's cause is the reader's.
+            raise CheckpointLoadError(self.step_url(step), step, {self.coll.rank: reader.failure}) from e
         finally:
             if reader is not None:
                 reader.close()

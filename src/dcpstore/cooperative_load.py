@@ -1,0 +1,333 @@
+"""Read once, restore everywhere: a stored byte range that several ranks load leaves the bucket once per load.
+
+Under DDP every rank loads the same tensors, under HSDP every replica group
+does; read each rank's share from the bucket and the job reads the
+checkpoint R times over (R replicas), at R times the request rate on one
+cold prefix, while the links between the ranks sit idle.  Here each stored
+item (an object's byte range: key, offset, length) that several ranks need
+is read by one of them, its owner, checked there, and sent to the others.
+
+**Who reads what** (``plan``, on the coordinator, inside the planning
+gather ``dcp.load`` already does).  Each rank names the stored items its
+local plan reads (``Wanted``, attached to its ``LoadPlan`` by
+``ObjectStoreReader.prepare_local_plan``).  The coordinator gives every item
+that several ranks need one owner among them, balanced by bytes: items only
+one rank needs count first, then the shared ones, largest first, each to
+the needer with the fewest bytes to read so far.  It packs the shared items
+into rounds, each rank holding at most ``round_bytes`` of them in a round
+(an item larger than that takes a round of its own), and hands each rank its
+part (``Assignment``), which names items by their place in that rank's own
+``Wanted``: O(its items), never the world's.  The planning is linear in the
+read items the gather brought, the same order as DCP's own global planning.
+
+**A round, on every rank** (``Exchange``).  The owner fetches its items of
+the round into the load's host ring (``load_buffers``) and checks their
+crc32 there (the reader's ``fetch``); one all-reduce of one int64 says
+whether every rank's fetch succeeded; then each owner sends its items, in
+chunks of at most ``chunk_bytes``, point to point to the ranks that need
+them, while the next round's reads are already in flight.  A receiver lands
+the chunks in its own ring and delivers the item without a crc32 pass of its
+own: the owner's verdict stands, and a second pass would cost every rank the
+same CPU again.  Host memory: two rounds, the one sent and the one read.
+
+**Failures.**  A fetch that fails at its owner (a missing object, a crc32
+that fails twice) fails the round's all-reduce on every rank before any of
+that round's bytes move: each rank raises, naming the owner and its error
+(gathered as objects, on the failure path only), and no destination of the
+round is touched.  A peer that dies or hangs breaks a point-to-point
+operation or the next all-reduce within the group's timeout; the rank
+raises ``PeerLoadError`` naming the peer and the item it was exchanging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import LoadPlan
+
+from .errors import DcpstoreError
+from .load_buffers import LoadBuffers, Region
+
+logger = logging.getLogger(__name__)
+
+#: A stored item: object key, offset and length.  Two ranks that name the same one need the same bytes.
+StoredItem = tuple[str, int, int]
+
+#: The largest point-to-point message; an item larger than this is sent in several.
+CHUNK_BYTES = 32 << 20
+
+#: gloo's tags are C ints: a load's chunks are numbered modulo this.
+_TAG_SPACE = 1 << 30
+
+
+class PeerLoadError(DcpstoreError, RuntimeError):
+    """A cooperative load failed on another rank, or lost its link to one; the message names the rank and the item."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Wanted:
+    """The stored items a rank's load plan reads, each once, in the order the rank keeps them."""
+
+    items: tuple[StoredItem, ...]
+
+
+@dataclasses.dataclass
+class Part:
+    """One rank's part of a round: the items it sends and those it receives, by their place in its ``Wanted``.
+
+    ``sends``: ``(item, receivers, tag)``; ``receives``: ``(item, owner, tag)``.
+    Ranks are the group's; ``tag`` numbers the item's first chunk.
+    """
+
+    sends: list[tuple[int, tuple[int, ...], int]] = dataclasses.field(default_factory=list)
+    receives: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+
+    def items(self) -> list[int]:
+        return [i for i, _, _ in self.sends] + [i for i, _, _ in self.receives]
+
+
+@dataclasses.dataclass
+class Assignment:
+    """What the coordinator hands one rank (in its ``LoadPlan.storage_data``).
+
+    ``rounds``: how many rounds the job's load takes; every rank takes part
+    in each one's all-reduce.  ``parts``: this rank's part of the rounds it
+    sends or receives in.  An item of ``Wanted`` in no part is read by this
+    rank alone, as any load reads.
+    """
+
+    rounds: int
+    parts: dict[int, Part]
+    chunk_bytes: int
+
+    def shared(self) -> set[int]:
+        return {i for part in self.parts.values() for i in part.items()}
+
+
+def plan(plans: list[LoadPlan], *, round_bytes: int, chunk_bytes: int = CHUNK_BYTES) -> list[LoadPlan]:
+    """On the coordinator: each rank's plan with its ``Assignment`` in ``storage_data``; see the module docstring.
+
+    When no stored item is needed by two ranks, or a rank did not name its
+    items (it opted out), every plan comes back with ``storage_data=None``
+    and every rank reads as it would alone.
+    """
+    wanted = [p.storage_data for p in plans]
+    if len(plans) < 2 or not all(isinstance(w, Wanted) for w in wanted):
+        return [dataclasses.replace(p, storage_data=None) for p in plans]
+    needers: dict[StoredItem, list[tuple[int, int]]] = {}  # item -> (rank, its place in that rank's Wanted)
+    for rank, w in enumerate(wanted):
+        for place, item in enumerate(w.items):
+            needers.setdefault(item, []).append((rank, place))
+    load = [0] * len(plans)  # bytes each rank reads from the bucket
+    shared = []
+    for item, who in needers.items():
+        if len(who) == 1:
+            load[who[0][0]] += item[2]
+        else:
+            shared.append(item)
+    if not shared:
+        return [dataclasses.replace(p, storage_data=None) for p in plans]
+    owner: dict[StoredItem, int] = {}
+    for item in sorted(shared, key=lambda it: (-it[2], it)):
+        rank = min((r for r, _ in needers[item]), key=lambda r: (load[r], r))
+        owner[item] = rank
+        load[rank] += item[2]
+
+    # Rounds: each rank's bytes in a round (sent or received) within round_bytes.
+    parts: list[dict[int, Part]] = [{} for _ in plans]
+    current = [0] * len(plans)  # each rank's latest round
+    used = [0] * len(plans)  # its bytes in that round
+    rounds = 0
+    tag = 0
+    for item in sorted(shared):  # by object and offset: an owner's items of a round coalesce
+        who = needers[item]
+        length = item[2]
+        r = max(current[rank] if used[rank] == 0 or used[rank] + length <= round_bytes else current[rank] + 1 for rank, _ in who)
+        for rank, _ in who:
+            if current[rank] < r:
+                current[rank], used[rank] = r, 0
+            used[rank] += length
+        rounds = max(rounds, r + 1)
+        source = owner[item]
+        receivers = tuple(rank for rank, _ in who if rank != source)
+        for rank, place in who:
+            part = parts[rank].setdefault(r, Part())
+            if rank == source:
+                part.sends.append((place, receivers, tag))
+            else:
+                part.receives.append((place, source, tag))
+        tag = (tag + max(1, -(-length // chunk_bytes))) % _TAG_SPACE
+    return [dataclasses.replace(p, storage_data=Assignment(rounds, parts[rank], chunk_bytes)) for rank, p in enumerate(plans)]
+
+
+class Fetch(Protocol):
+    """The GETs of the items a rank owns in a round, begun into the ring's buffers."""
+
+    def ready(self) -> Iterator[tuple[int, BaseException | None]]:
+        """Each item as its bytes are in and checked (``None``), or failed (the error); in the order they were asked for."""
+        ...
+
+    def cancel(self) -> None: ...
+
+
+@dataclasses.dataclass
+class _Round:
+    index: int
+    part: Part
+    region: Region | None
+    views: dict[int, memoryview]
+    fetch: Fetch | None
+
+
+class Exchange:
+    """One rank's rounds of a cooperative load (see the module docstring).
+
+    Args:
+        assignment: this rank's ``Assignment``.
+        lengths: the byte length of each item of this rank's ``Wanted``.
+        group: the process group ``dcp.load`` runs on (a gloo group: the
+            items travel as host memory).
+        describe: names an item (its object and key) for error messages.
+    """
+
+    def __init__(self, assignment: Assignment, lengths: Sequence[int], group: dist.ProcessGroup | None, describe: Callable[[int], str]):
+        self.assignment = assignment
+        self.lengths = lengths
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.describe = describe
+
+    def run(
+        self,
+        buffers: LoadBuffers,
+        device_of: Callable[[list[int]], torch.device | None],
+        fetch: Callable[[list[tuple[int, memoryview]]], Fetch],
+        deliver: Callable[[int, memoryview, Region | None], None],
+    ) -> None:
+        """Every round in turn, the next one's reads in flight meanwhile: fetch and send, receive, agree, deliver.
+
+        ``device_of(items)``: the CUDA device their destinations are on, if
+        any (the ring is pinned for it); ``fetch(items)``: begin the GETs of
+        these owned items into these buffers; ``deliver(item, bytes, region)``:
+        hand an item's checked bytes (in ``region`` of the ring) to the
+        planner.  All on the calling thread.
+
+        An owner sends each item as soon as its bytes are in and checked,
+        and sends a failed one's buffer all the same, so that no peer waits
+        on it: the all-reduce after the round's transfers says whether any
+        rank's fetch failed, and only then is anything delivered.
+        """
+        rounds = self.assignment.rounds
+        nxt: _Round | None = None
+        try:
+            for r in range(rounds):
+                now = nxt if nxt is not None else self._begin(r, buffers, device_of, fetch)
+                nxt = self._begin(r + 1, buffers, device_of, fetch, wait_for_room=False) if r + 1 < rounds else None
+                failure = self._send_and_receive(now)
+                self._agree(now, failure)
+                for item, view in now.views.items():
+                    deliver(item, view, now.region)
+                if now.region is not None:
+                    now.region.delivered = True
+        except BaseException:
+            if nxt is not None and nxt.fetch is not None:
+                nxt.fetch.cancel()
+            raise
+
+    def _begin(self, r: int, buffers: LoadBuffers, device_of, fetch, wait_for_room: bool = True) -> _Round | None:
+        """Round ``r``'s memory and the GETs of what this rank owns in it; ``None`` if the ring has no room yet."""
+        part = self.assignment.parts.get(r, Part())
+        items = part.items()
+        region = None
+        views: dict[int, memoryview] = {}
+        if items:
+            region = buffers.reserve([self.lengths[i] for i in items], device_of(items))
+            if region is None:
+                if not wait_for_room:
+                    return None
+                raise AssertionError("the load's ring holds an undelivered round")  # run delivers each round before it begins one
+            views = dict(zip(items, region.buffers))
+        owned = [(i, views[i]) for i, _, _ in part.sends]
+        return _Round(r, part, region, views, fetch(owned) if owned else None)
+
+    def _send_and_receive(self, now: _Round) -> BaseException | None:
+        """The round's transfers: receives posted first, each owned item sent once fetched; the first failed fetch, if any.
+
+        A peer that is lost does not stop the others' transfers: every
+        operation with a live peer is still posted and waited for, so that
+        the live peers finish the round and name the lost rank themselves,
+        rather than this one once it gives up on them.
+        """
+        chunk = self.assignment.chunk_bytes
+        works: list[tuple[Any, int, int, str]] = []  # (work, peer, item, verb)
+        lost: dict[int, tuple[int, str, BaseException]] = {}  # peer -> the first item it failed, and how
+
+        def post(op, data: torch.Tensor, peer: int, tag: int, item: int, verb: str) -> None:
+            if peer in lost:
+                return
+            try:
+                works.append((op(data, self._global(peer), group=self.group, tag=tag % _TAG_SPACE), peer, item, verb))
+            except Exception as e:  # noqa: BLE001
+                lost[peer] = (item, verb, e)
+
+        for item, owner, tag in now.part.receives:
+            wire = _wire(now.views[item])
+            for c, start in enumerate(range(0, len(wire), chunk)):
+                post(dist.irecv, wire[start : start + chunk], owner, tag + c, item, "receiving")
+        failure = None
+        if now.fetch is not None:
+            sends = {item: (receivers, tag) for item, receivers, tag in now.part.sends}
+            for item, error in now.fetch.ready():
+                failure = failure or error
+                receivers, tag = sends[item]
+                wire = _wire(now.views[item])
+                for c, start in enumerate(range(0, len(wire), chunk)):
+                    for peer in receivers:
+                        post(dist.isend, wire[start : start + chunk], peer, tag + c, item, "sending")
+        for work, peer, item, verb in works:
+            try:
+                work.wait()
+            except Exception as e:  # noqa: BLE001
+                lost.setdefault(peer, (item, verb, e))
+        if lost:
+            message = f"rank {self.rank}: lost " + "; ".join(
+                f"rank {peer} while {verb} {self.describe(item)}" for peer, (item, verb, _) in sorted(lost.items())
+            )
+            first = lost[min(lost)][2]
+            message += f" in round {now.index} of the cooperative load: {first}"
+            logger.error("%s", message)
+            raise PeerLoadError(message) from first
+        return failure
+
+    def _agree(self, now: _Round, failure: BaseException | None) -> None:
+        """Raise on every rank if any rank's fetch of the round failed: before anything of it is delivered."""
+        flag = torch.tensor([int(failure is not None)], dtype=torch.int64)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        except Exception as e:  # noqa: BLE001 - gloo's error names an address, not a rank
+            raise PeerLoadError(
+                f"rank {self.rank}: round {now.index} of the cooperative load could not agree with its peers "
+                f"(a rank died, hung or lost its link): {e}"
+            ) from failure or e
+        if not flag.item():
+            return
+        reports: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(reports, None if failure is None else f"{type(failure).__name__}: {failure}", group=self.group)
+        if failure is not None:
+            raise failure
+        rank, report = next((r, m) for r, m in enumerate(reports) if m is not None)
+        raise PeerLoadError(f"rank {self.rank}: rank {rank} could not read its items of round {now.index}, which this rank needs: {report}")
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+
+def _wire(view: memoryview) -> torch.Tensor:
+    """The bytes of ``view`` as a uint8 tensor over the same memory, for gloo to send from or receive into."""
+    if not len(view):
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(view, dtype=torch.uint8)

@@ -1,0 +1,83 @@
+"""Rank functions for the read-once tests: the benchmark's three layouts of one state, saved and loaded by real gloo ranks.
+
+- ``replicated``: every rank holds the whole state (DDP).
+- ``hsdp``: a 2 x (W/2) mesh, ``[Replicate(), Shard(0)]`` (two replica groups of sharded ranks).
+- ``sharded``: a 1-D mesh of W, ``Shard(0)`` (FSDP).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+import dcpstore
+from benchmarks.read_once import LAYOUTS, full_state, layout_state, matches
+
+
+def save_layouts(rank, world_size, root: str, mib: float, layouts=LAYOUTS) -> None:
+    full = full_state(mib)
+    for layout in layouts:
+        writer = dcpstore.ObjectStoreWriter(f"{root}/{layout}")
+        dcp.save(layout_state(layout, full, world_size, zeros=False), storage_writer=writer)
+        writer.close()
+
+
+def load_layouts(rank, world_size, root: str, mib: float, read_once: bool, endpoint: str, layouts=LAYOUTS) -> dict:
+    """Each layout loaded with ``dcp.load`` through ``endpoint``: ``{layout: (bit-exact, seconds)}``."""
+    full = full_state(mib)
+    out = {}
+    for layout in layouts:
+        want = layout_state(layout, full, world_size, zeros=False)
+        sd = layout_state(layout, full, world_size, zeros=True)
+        reader = dcpstore.ObjectStoreReader(f"{root}/{layout}", read_once=read_once, endpoint_url=endpoint)
+        dist.barrier()
+        start = time.perf_counter()
+        dcp.load(sd, storage_reader=reader)
+        seconds = time.perf_counter() - start
+        reader.close()
+        out[layout] = (matches(sd, want), seconds)
+    return out
+
+
+def load_corrupt(rank, world_size, url: str, mib: float) -> tuple[str, bool]:
+    """Load a replicated checkpoint one of whose items is corrupt: the error, and whether every destination kept its zeros."""
+    full = full_state(mib)
+    sd = layout_state("replicated", full, world_size, zeros=True)
+    try:
+        dcp.load(sd, storage_reader=dcpstore.ObjectStoreReader(url, read_once=True))
+    except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+        return str(e), all(not v.any() for v in sd.values() if isinstance(v, torch.Tensor))
+    return "", False
+
+
+def save_step(rank, world_size, root: str, mib: float) -> None:
+    """Step 1 of a replicated state, saved by ``AsyncCheckpointer``."""
+    with dcpstore.AsyncCheckpointer(root) as ckpt:
+        ckpt.save(layout_state("replicated", full_state(mib), world_size, zeros=False), step=1).result()
+
+
+def load_losing_a_peer(rank, world_size, root: str, mib: float, victim: int) -> str:
+    """``AsyncCheckpointer.load`` of a replicated step, rank ``victim`` dying in its second point-to-point send: the error."""
+    if rank == victim:
+        sends = []
+        isend = dist.isend
+
+        def dying_isend(*args, **kwargs):
+            sends.append(1)
+            if len(sends) == 2:
+                os._exit(9)
+            return isend(*args, **kwargs)
+
+        dist.isend = dying_isend
+    sd = layout_state("replicated", full_state(mib), world_size, zeros=True)
+    ckpt = dcpstore.AsyncCheckpointer(root, collective_timeout=datetime.timedelta(seconds=30))
+    try:
+        ckpt.load(sd)
+    except dcpstore.CheckpointLoadError as e:
+        return str(e)
+    return ""
