@@ -27,14 +27,17 @@ def save_layouts(rank, world_size, root: str, mib: float, layouts=LAYOUTS) -> No
         writer.close()
 
 
-def load_layouts(rank, world_size, root: str, mib: float, read_once: bool, endpoint: str, layouts=LAYOUTS) -> dict:
-    """Each layout loaded with ``dcp.load`` through ``endpoint``: ``{layout: (bit-exact, seconds)}``."""
+def load_layouts(rank, world_size, root: str, mib: float, read_once: bool, endpoint: str, layouts=LAYOUTS, saved_as: str | None = None) -> dict:
+    """Each layout loaded with ``dcp.load`` through ``endpoint``: ``{layout: (bit-exact, seconds)}``.
+
+    ``saved_as``: load every layout from the checkpoint saved in that one (resharding).
+    """
     full = full_state(mib)
     out = {}
     for layout in layouts:
         want = layout_state(layout, full, world_size, zeros=False)
         sd = layout_state(layout, full, world_size, zeros=True)
-        reader = dcpstore.ObjectStoreReader(f"{root}/{layout}", read_once=read_once, endpoint_url=endpoint)
+        reader = dcpstore.ObjectStoreReader(f"{root}/{saved_as or layout}", read_once=read_once, endpoint_url=endpoint)
         dist.barrier()
         start = time.perf_counter()
         dcp.load(sd, storage_reader=reader)

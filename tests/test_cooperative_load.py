@@ -40,6 +40,12 @@ def test_each_stored_byte_is_read_once_per_job_in_every_layout(bucket, s3, proxy
         assert all(loaded[r][layout][0] for r in range(4)), f"{layout}: a rank's state differs from what was saved"
         ratio = shard_bytes_read(proxy, f"layouts/{layout}") / shard_bytes_stored(s3, bucket, f"layouts/{layout}")
         assert ratio <= 1.10, f"{layout}: the job read {ratio:.2f}x the stored shard bytes"
+    # Resharded: every rank of a sharded state reads a quarter of each replicated checkpoint's items (ranged, narrowed).
+    proxy.clear()
+    resharded = run_ranks(load_layouts, 4, root, MIB, True, proxy.endpoint, ("sharded", "hsdp"), "replicated")
+    assert all(resharded[r][layout][0] for r in range(4) for layout in ("sharded", "hsdp"))
+    ratio = shard_bytes_read(proxy, "layouts/replicated") / shard_bytes_stored(s3, bucket, "layouts/replicated")
+    assert ratio <= 2 * 1.10, f"two loads of the replicated checkpoint read {ratio:.2f}x its bytes"
     # Without it, every replica reads its own copy: what the option saves.
     proxy.clear()
     alone = run_ranks(load_layouts, 4, root, MIB, False, proxy.endpoint, ("replicated",))

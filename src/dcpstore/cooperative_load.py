@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -167,11 +167,35 @@ def plan(plans: list[LoadPlan], *, round_bytes: int, chunk_bytes: int = CHUNK_BY
 class Fetch(Protocol):
     """The GETs of the items a rank owns in a round, begun into the ring's buffers."""
 
-    def ready(self) -> Iterator[tuple[int, BaseException | None]]:
-        """Each item as its bytes are in and checked (``None``), or failed (the error); in the order they were asked for."""
+    def wait(self) -> None:
+        """Return once every item is in, checked and ready to send; raise if one could not be read or failed its check."""
         ...
 
     def cancel(self) -> None: ...
+
+
+class SharedItems(Protocol):
+    """The reader's side of a cooperative load: where each item lands, how it is fetched, sent and delivered."""
+
+    def prepare(self, items: list[int], owned: set[int]) -> tuple[list[int], torch.device | None]:
+        """Resolve the items' destinations: the ring bytes each needs here (0: it is received in place), and their CUDA device if any."""
+        ...
+
+    def fetch(self, owned: list[tuple[int, memoryview]]) -> Fetch:
+        """Begin the GETs of these owned items into these ring buffers."""
+        ...
+
+    def payload(self, item: int) -> torch.Tensor:
+        """An owned item's bytes to send (uint8), once its fetch is checked."""
+        ...
+
+    def landing(self, item: int, view: memoryview | None) -> torch.Tensor:
+        """Where a received item's bytes go (uint8): its destination's memory, or ``view`` of the ring."""
+        ...
+
+    def deliver(self, item: int, region: Region | None) -> None:
+        """Hand the item to the planner, its bytes all here (``region``: its ring memory)."""
+        ...
 
 
 @dataclasses.dataclass
@@ -179,7 +203,7 @@ class _Round:
     index: int
     part: Part
     region: Region | None
-    views: dict[int, memoryview]
+    views: dict[int, memoryview | None]
     fetch: Fetch | None
 
 
@@ -188,49 +212,41 @@ class Exchange:
 
     Args:
         assignment: this rank's ``Assignment``.
-        lengths: the byte length of each item of this rank's ``Wanted``.
         group: the process group ``dcp.load`` runs on (a gloo group: the
             items travel as host memory).
         describe: names an item (its object and key) for error messages.
     """
 
-    def __init__(self, assignment: Assignment, lengths: Sequence[int], group: dist.ProcessGroup | None, describe: Callable[[int], str]):
+    def __init__(self, assignment: Assignment, group: dist.ProcessGroup | None, describe: Callable[[int], str]):
         self.assignment = assignment
-        self.lengths = lengths
         self.group = group
         self.rank = dist.get_rank(group)
         self.describe = describe
 
-    def run(
-        self,
-        buffers: LoadBuffers,
-        device_of: Callable[[list[int]], torch.device | None],
-        fetch: Callable[[list[tuple[int, memoryview]]], Fetch],
-        deliver: Callable[[int, memoryview, Region | None], None],
-    ) -> None:
-        """Every round in turn, the next one's reads in flight meanwhile: fetch and send, receive, agree, deliver.
+    def run(self, buffers: LoadBuffers, items: SharedItems) -> None:
+        """Every round in turn, the next one's reads in flight meanwhile: fetch, agree, send and receive, deliver.
 
-        ``device_of(items)``: the CUDA device their destinations are on, if
-        any (the ring is pinned for it); ``fetch(items)``: begin the GETs of
-        these owned items into these buffers; ``deliver(item, bytes, region)``:
-        hand an item's checked bytes (in ``region`` of the ring) to the
-        planner.  All on the calling thread.
-
-        An owner sends each item as soon as its bytes are in and checked,
-        and sends a failed one's buffer all the same, so that no peer waits
-        on it: the all-reduce after the round's transfers says whether any
-        rank's fetch failed, and only then is anything delivered.
+        Nothing of a round is sent before the all-reduce that says every
+        owner's fetch of it succeeded, so a received item can land straight
+        in its destination: a round in which any read failed touches no
+        destination on any rank.
         """
         rounds = self.assignment.rounds
         nxt: _Round | None = None
         try:
             for r in range(rounds):
-                now = nxt if nxt is not None else self._begin(r, buffers, device_of, fetch)
-                nxt = self._begin(r + 1, buffers, device_of, fetch, wait_for_room=False) if r + 1 < rounds else None
-                failure = self._send_and_receive(now)
+                now = nxt if nxt is not None else self._begin(r, buffers, items)
+                nxt = self._begin(r + 1, buffers, items, wait_for_room=False) if r + 1 < rounds else None
+                failure = None
+                if now.fetch is not None:
+                    try:
+                        now.fetch.wait()
+                    except Exception as e:  # noqa: BLE001 - every rank must hear of it in the all-reduce below
+                        failure = e
                 self._agree(now, failure)
-                for item, view in now.views.items():
-                    deliver(item, view, now.region)
+                self._send_and_receive(now, items)
+                for item in now.views:
+                    items.deliver(item, now.region)
                 if now.region is not None:
                     now.region.delivered = True
         except BaseException:
@@ -238,73 +254,27 @@ class Exchange:
                 nxt.fetch.cancel()
             raise
 
-    def _begin(self, r: int, buffers: LoadBuffers, device_of, fetch, wait_for_room: bool = True) -> _Round | None:
+    def _begin(self, r: int, buffers: LoadBuffers, items: SharedItems, wait_for_room: bool = True) -> _Round | None:
         """Round ``r``'s memory and the GETs of what this rank owns in it; ``None`` if the ring has no room yet."""
         part = self.assignment.parts.get(r, Part())
-        items = part.items()
+        mine = part.items()
+        owned = {i for i, _, _ in part.sends}
+        views: dict[int, memoryview | None] = dict.fromkeys(mine)
         region = None
-        views: dict[int, memoryview] = {}
-        if items:
-            region = buffers.reserve([self.lengths[i] for i in items], device_of(items))
+        if mine:
+            sizes, device = items.prepare(mine, owned)
+            buffered = [(i, n) for i, n in zip(mine, sizes) if n]
+            region = buffers.reserve([n for _, n in buffered], device)
             if region is None:
                 if not wait_for_room:
                     return None
                 raise AssertionError("the load's ring holds an undelivered round")  # run delivers each round before it begins one
-            views = dict(zip(items, region.buffers))
-        owned = [(i, views[i]) for i, _, _ in part.sends]
-        return _Round(r, part, region, views, fetch(owned) if owned else None)
-
-    def _send_and_receive(self, now: _Round) -> BaseException | None:
-        """The round's transfers: receives posted first, each owned item sent once fetched; the first failed fetch, if any.
-
-        A peer that is lost does not stop the others' transfers: every
-        operation with a live peer is still posted and waited for, so that
-        the live peers finish the round and name the lost rank themselves,
-        rather than this one once it gives up on them.
-        """
-        chunk = self.assignment.chunk_bytes
-        works: list[tuple[Any, int, int, str]] = []  # (work, peer, item, verb)
-        lost: dict[int, tuple[int, str, BaseException]] = {}  # peer -> the first item it failed, and how
-
-        def post(op, data: torch.Tensor, peer: int, tag: int, item: int, verb: str) -> None:
-            if peer in lost:
-                return
-            try:
-                works.append((op(data, self._global(peer), group=self.group, tag=tag % _TAG_SPACE), peer, item, verb))
-            except Exception as e:  # noqa: BLE001
-                lost[peer] = (item, verb, e)
-
-        for item, owner, tag in now.part.receives:
-            wire = _wire(now.views[item])
-            for c, start in enumerate(range(0, len(wire), chunk)):
-                post(dist.irecv, wire[start : start + chunk], owner, tag + c, item, "receiving")
-        failure = None
-        if now.fetch is not None:
-            sends = {item: (receivers, tag) for item, receivers, tag in now.part.sends}
-            for item, error in now.fetch.ready():
-                failure = failure or error
-                receivers, tag = sends[item]
-                wire = _wire(now.views[item])
-                for c, start in enumerate(range(0, len(wire), chunk)):
-                    for peer in receivers:
-                        post(dist.isend, wire[start : start + chunk], peer, tag + c, item, "sending")
-        for work, peer, item, verb in works:
-            try:
-                work.wait()
-            except Exception as e:  # noqa: BLE001
-                lost.setdefault(peer, (item, verb, e))
-        if lost:
-            message = f"rank {self.rank}: lost " + "; ".join(
-                f"rank {peer} while {verb} {self.describe(item)}" for peer, (item, verb, _) in sorted(lost.items())
-            )
-            first = lost[min(lost)][2]
-            message += f" in round {now.index} of the cooperative load: {first}"
-            logger.error("%s", message)
-            raise PeerLoadError(message) from first
-        return failure
+            views.update((i, view) for (i, _), view in zip(buffered, region.buffers))
+        fetch = items.fetch([(i, views[i]) for i, _, _ in part.sends]) if owned else None
+        return _Round(r, part, region, views, fetch)
 
     def _agree(self, now: _Round, failure: BaseException | None) -> None:
-        """Raise on every rank if any rank's fetch of the round failed: before anything of it is delivered."""
+        """Raise on every rank if any rank's fetch of the round failed: before anything of it is sent."""
         flag = torch.tensor([int(failure is not None)], dtype=torch.int64)
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
@@ -321,6 +291,46 @@ class Exchange:
             raise failure
         rank, report = next((r, m) for r, m in enumerate(reports) if m is not None)
         raise PeerLoadError(f"rank {self.rank}: rank {rank} could not read its items of round {now.index}, which this rank needs: {report}")
+
+    def _send_and_receive(self, now: _Round, items: SharedItems) -> None:
+        """The round's transfers, in chunks: every receive posted, then every send, then all waited for.
+
+        A peer that is lost does not stop the others' transfers: every
+        operation with a live peer is still posted and waited for, so that
+        the live peers finish the round and name the lost rank themselves,
+        rather than this one once it gives up on them.
+        """
+        chunk = self.assignment.chunk_bytes
+        works: list[tuple[Any, int, int, str]] = []  # (work, peer, item, verb)
+        lost: dict[int, tuple[int, str, BaseException]] = {}  # peer -> the first item it failed, and how
+
+        def post(op, wire: torch.Tensor, peers: Sequence[int], tag: int, item: int, verb: str) -> None:
+            for c, start in enumerate(range(0, len(wire), chunk)):
+                for peer in peers:
+                    if peer in lost:
+                        continue
+                    try:
+                        works.append((op(wire[start : start + chunk], self._global(peer), group=self.group, tag=(tag + c) % _TAG_SPACE), peer, item, verb))
+                    except Exception as e:  # noqa: BLE001
+                        lost[peer] = (item, verb, e)
+
+        for item, owner, tag in now.part.receives:
+            post(dist.irecv, items.landing(item, now.views[item]), (owner,), tag, item, "receiving")
+        for item, receivers, tag in now.part.sends:
+            post(dist.isend, items.payload(item), receivers, tag, item, "sending")
+        for work, peer, item, verb in works:
+            try:
+                work.wait()
+            except Exception as e:  # noqa: BLE001
+                lost.setdefault(peer, (item, verb, e))
+        if lost:
+            message = f"rank {self.rank}: lost " + "; ".join(
+                f"rank {peer} while {verb} {self.describe(item)}" for peer, (item, verb, _) in sorted(lost.items())
+            )
+            first = lost[min(lost)][2]
+            message += f" in round {now.index} of the cooperative load: {first}"
+            logger.error("%s", message)
+            raise PeerLoadError(message) from first
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank

@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import io
 import logging
+import math
 import os
 import reprlib
 import uuid
@@ -40,7 +41,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._sharded_tensor_utils import _flatten_sharded_tensors
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader
@@ -289,39 +290,10 @@ class ObjectStoreReader(StorageReader, StoreOwner):
     def _read_shared(self, assignment: cooperative_load.Assignment, needed: dict, planner: LoadPlanner) -> None:
         """The items this rank reads with its peers: each fetched by one owner, checked there, sent to the others."""
         group = self.read_once if isinstance(self.read_once, dist.ProcessGroup) else None
-
-        def infos(place: int) -> list[tuple[_StorageInfo, list[ReadItem]]]:
-            return [(self.storage_data[i], needed[i]) for i in self._wanted[place] if i in needed]
-
-        def describe(place: int) -> str:
-            index = self._wanted[place][0]
-            info = self.storage_data[index]
-            return f"{self.store.url_for(info.relative_path)} (item {index.fqn!r}, bytes {info.offset}+{info.length})"
-
-        targets: dict[int, list] = {}
-
-        def device_of(places: list[int]) -> torch.device | None:
-            device = None
-            for place in places:
-                targets[place] = [
-                    [planner.resolve_tensor(req).detach() for req in reqs] if reqs[0].type == LoadItemType.TENSOR else None
-                    for _, reqs in infos(place)
-                ]
-                device = device or next((t[0].device for t in targets[place] if t and t[0].is_cuda), None)
-            return device
-
-        def fetch(owned: list[tuple[int, memoryview]]) -> _OwnedFetch:
-            return _OwnedFetch(self, [(place, info, reqs, view) for place, view in owned for info, reqs in infos(place)[:1]])
-
-        def deliver(place: int, view: memoryview, region) -> None:
-            for (info, reqs), dests in zip(infos(place), targets.pop(place)):
-                landing = ItemLanding(info.length, None, view)
-                self._deliver(reqs, info, dests, landing, planner, functools.partial(buffers.copy, region), checked=True)
-
-        lengths = [self.storage_data[indexes[0]].length for indexes in self._wanted]
         buffers = LoadBuffers(self.readahead_bytes)
+        items = _SharedItems(self, needed, planner, buffers)
         try:
-            cooperative_load.Exchange(assignment, lengths, group, describe).run(buffers, device_of, fetch, deliver)
+            cooperative_load.Exchange(assignment, group, items.describe).run(buffers, items)
         except BaseException as e:
             self.failure = e
             raise
@@ -416,12 +388,15 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         """Where an item that is not buffered lands: a tensor's data in its destination, anything else in a buffer of its own."""
         return ItemLanding(info.length, targets[0] if targets else None)
 
-    def _where(self, info: _StorageInfo, reqs: list[ReadItem]) -> str:
-        return f"{self.store.url_for(info.relative_path)} (item {reqs[0].storage_index.fqn!r}, bytes {info.offset}+{info.length})"
+    def _where(self, info: _StorageInfo, index: MetadataIndex) -> str:
+        return f"{self.store.url_for(info.relative_path)} (item {index.fqn!r}, bytes {info.offset}+{info.length})"
 
-    def _checked(self, reqs: list[ReadItem], info: _StorageInfo, landing: ItemLanding) -> ItemLanding:
-        """``landing``, or a second fetch's when its crc32 fails; ``CorruptCheckpointError`` when that fails too."""
-        expected = self._checksums.get(reqs[0].storage_index)
+    def _checked(self, index: MetadataIndex, info: _StorageInfo, landing: ItemLanding, destination: str = "") -> ItemLanding:
+        """``landing``, or a second fetch's when its crc32 fails; ``CorruptCheckpointError`` when that fails too.
+
+        ``destination``: the key of the tensor the item landed in, for the message.
+        """
+        expected = self._checksums.get(index)
         if expected is None or landing.crc32() == expected:
             return landing
         # Bytes damaged on the way are fetched once more; damaged in storage, they fail again.
@@ -431,20 +406,20 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         self.store.get_range_async(info.relative_path, info.offset, end, RangeScatter([(0, landing)])).result()
         if landing.crc32() != expected:
             fate = (
-                f"the tensor {reqs[0].dest_index.fqn!r} now holds these unverified bytes"
+                f"the tensor {destination!r} now holds these unverified bytes"
                 if landing.in_destination
                 else "its destination keeps its old contents"
             )
-            raise CorruptCheckpointError(f"{self._where(info, reqs)}: checksum mismatch on two fetches, the shard object is corrupted; {fate}")
+            raise CorruptCheckpointError(f"{self._where(info, index)}: checksum mismatch on two fetches, the shard object is corrupted; {fate}")
         return landing
 
     def _deliver(
         self, reqs: list[ReadItem], info: _StorageInfo, targets, landing: ItemLanding, planner: LoadPlanner, copy, checked: bool = False
     ) -> None:
         """Check ``landing``'s bytes (unless ``checked`` already) and hand them to the planner; ``copy(target, source)`` moves a tensor to its destination."""
-        where = self._where(info, reqs)
+        where = self._where(info, reqs[0].storage_index)
         if not checked:
-            landing = self._checked(reqs, info, landing)
+            landing = self._checked(reqs[0].storage_index, info, landing, reqs[0].dest_index.fqn)
         raw = landing.leftover()
         if raw is None:  # the data landed in the destination, as torch.load would read it
             planner.commit_tensor(reqs[0], landing.target)
@@ -456,19 +431,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
             for req in reqs:
                 planner.load_bytes(req, io.BytesIO(raw))
             return
-        try:
-            stored = load_tensor(raw)  # a view of raw: only read from, below
-        except Exception as e:  # noqa: BLE001 - any failure here means bad bytes
-            raise CorruptCheckpointError(f"{where}: cannot deserialize the tensor ({e})") from e
-        for req, target in zip(reqs, targets):
-            tensor = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
-            if target.size() != tensor.size():
-                raise StateDictMismatchError(
-                    f"{where}: shape {tuple(tensor.size())} in the checkpoint does not fit "
-                    f"{tuple(target.size())} in the state dict"
-                )
-            copy(target, tensor)
-            planner.commit_tensor(req, target)
+        land_tensor(parse_tensor(raw, where), reqs, targets, planner, copy, where)
 
     @property
     def checkpoint_id(self) -> str:
@@ -479,48 +442,206 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         return is_store_url(checkpoint_id)
 
 
+class _SharedItems:
+    """The reader's side of a cooperative load (``cooperative_load.SharedItems``), over this rank's ``Wanted`` items.
+
+    A tensor item stored without stream transforms travels as its values
+    (dtype and shape from the metadata, which the owner checks the stored
+    tensor against): a receiver whose destination is a whole, contiguous
+    CPU tensor of that dtype and shape takes the bytes straight into it, as
+    a lone read lands in place; any other receiver takes them into the ring
+    and copies out.  Any other item travels as its stored bytes, and the
+    receiver undoes transforms and checks pickles as a lone read does.
+    """
+
+    def __init__(self, reader: ObjectStoreReader, needed: dict, planner: LoadPlanner, buffers: LoadBuffers):
+        self.reader, self.needed, self.planner, self.buffers = reader, needed, planner, buffers
+        self.claims = DestinationClaims()
+        self.targets: dict[int, list] = {}  # item -> each entry's resolved destinations
+        self.in_place: dict[int, torch.Tensor] = {}  # received item -> the destination its values land in
+        self.values: dict[int, torch.Tensor] = {}  # owned item sent as values -> the stored tensor
+        self.views: dict[int, memoryview] = {}  # item -> its ring memory
+        self._chunks: dict[str, dict] = {}
+
+    def index(self, item: int) -> tuple[MetadataIndex, _StorageInfo]:
+        """The stored item's storage index and ``_StorageInfo`` (what the ranks exchange, whatever this rank's plan reads of it)."""
+        index = self.reader._wanted[item][0]
+        return index, self.reader.storage_data[index]
+
+    def entries(self, item: int) -> list[tuple[_StorageInfo, list[ReadItem]]]:
+        """This rank's ``ReadItem``s of the stored item, per storage index naming it (one, but in a hostile .metadata)."""
+        return [(self.reader.storage_data[i], self.needed[i]) for i in self.reader._wanted[item] if i in self.needed]
+
+    def describe(self, item: int) -> str:
+        index, info = self.index(item)
+        return self.reader._where(info, index)
+
+    def shape(self, item: int) -> tuple[torch.dtype, tuple[int, ...]] | None:
+        """The dtype and size of a tensor item sent as values; ``None`` for an item sent as its stored bytes.
+
+        Decided from the metadata and storage_data alone, so that owner and
+        receivers decide alike.  Values never take more bytes than the
+        stored archive that holds them.
+        """
+        index, info = self.index(item)
+        md = self.reader.metadata.state_dict_metadata.get(index.fqn) if self.reader.metadata is not None else None
+        if not isinstance(md, TensorStorageMetadata) or info.transform_descriptors:
+            return None
+        if index.fqn not in self._chunks:
+            self._chunks[index.fqn] = {tuple(c.offsets): tuple(c.sizes) for c in md.chunks}
+        sizes = self._chunks[index.fqn].get(tuple(index.offset or ()))
+        dtype = md.properties.dtype
+        if sizes is None or dtype.is_complex or dtype in _QUANTIZED or not 0 < math.prod(sizes) * dtype.itemsize <= info.length:
+            return None
+        return dtype, sizes
+
+    def prepare(self, items: list[int], owned: set[int]) -> tuple[list[int], torch.device | None]:
+        sizes, device = [], None
+        for item in items:
+            entries = self.entries(item)
+            if entries and entries[0][1][0].type == LoadItemType.TENSOR:
+                self.targets[item] = [[self.planner.resolve_tensor(req).detach() for req in reqs] for _, reqs in entries]
+                device = device or next((t.device for ts in self.targets[item] for t in ts if t.is_cuda), None)
+            shape = self.shape(item)
+            if item in owned or shape is None:
+                sizes.append(self.index(item)[1].length)
+            elif self._lands_in_place(item, shape):
+                sizes.append(0)
+            else:
+                sizes.append(math.prod(shape[1]) * shape[0].itemsize)
+        return sizes, device
+
+    def _lands_in_place(self, item: int, shape: tuple[torch.dtype, tuple[int, ...]]) -> bool:
+        entries = self.entries(item)
+        if len(entries) != 1 or len(entries[0][1]) != 1:
+            return False
+        req, target = entries[0][1][0], self.targets[item][0][0]
+        dtype, sizes = shape
+        whole = not any(req.storage_offsets) and tuple(req.lengths) == sizes
+        fits = target.dtype == dtype and tuple(target.shape) == sizes and destination_bytes(target) is not None
+        if not (whole and fits and self.claims.claim([target])):
+            if whole and fits:
+                self.claims.release([target])
+            return False
+        self.in_place[item] = target
+        return True
+
+    def fetch(self, owned: list[tuple[int, memoryview]]) -> "_OwnedFetch":
+        self.views.update(owned)
+        return _OwnedFetch(self, owned)
+
+    def payload(self, item: int) -> torch.Tensor:
+        stored = self.values.get(item)
+        if stored is None:
+            return cooperative_load._wire(self.views[item])
+        return stored.reshape(-1).view(torch.uint8)
+
+    def landing(self, item: int, view: memoryview | None) -> torch.Tensor:
+        target = self.in_place.get(item)
+        if target is not None:
+            return target.reshape(-1).view(torch.uint8)
+        self.views[item] = view
+        return cooperative_load._wire(view)
+
+    def deliver(self, item: int, region) -> None:
+        copy = functools.partial(self.buffers.copy, region)
+        target = self.in_place.pop(item, None)
+        if target is not None:
+            self.claims.release([target])
+            self.planner.commit_tensor(self.entries(item)[0][1][0], target)
+            return
+        targets = self.targets.pop(item, None)
+        shape = self.shape(item)
+        stored = self.values.pop(item, None)
+        if shape is not None and stored is None:  # received as values
+            stored = cooperative_load._wire(self.views[item]).view(shape[0]).view(shape[1])
+        view = self.views.pop(item, None)
+        for n, (info, reqs) in enumerate(self.entries(item)):
+            where = self.reader._where(info, reqs[0].storage_index)
+            if stored is not None:
+                land_tensor(stored, reqs, targets[n], self.planner, copy, where)
+            else:
+                landing = ItemLanding(info.length, None, view)
+                self.reader._deliver(reqs, info, targets[n] if targets else None, landing, self.planner, copy, checked=True)
+
+
 class _OwnedFetch:
     """The GETs of the items this rank reads for its peers in a round of a cooperative load, into the ring's buffers.
 
-    ``ready`` hands over each item once it is there and its crc32 checked
-    (one refetch, as any read), or with the error that stopped it: the
-    exchange sends nothing as checked that was not.
+    ``wait`` returns once every item is there, its crc32 checked (one
+    refetch, as any read) and, for an item sent as values, its tensor
+    parsed and found of the dtype and shape the metadata says: receivers
+    take those bytes as that tensor without a look of their own.
     """
 
-    def __init__(self, reader: ObjectStoreReader, items: list[tuple[int, _StorageInfo, list[ReadItem], memoryview]]):
-        self.reader = reader
+    def __init__(self, items: _SharedItems, owned: list[tuple[int, memoryview]]):
+        self.items = items
+        reader = items.reader
         ranges = coalesce(
-            [(info, (place, reqs, ItemLanding(info.length, None, view))) for place, info, reqs, view in items],
+            [(items.index(item)[1], (item, view)) for item, view in owned],
             gap_bytes=reader.coalesce_gap_bytes,
             max_bytes=max(reader.readahead_bytes // 8, reader.transfer.part_size),
         )
         self.pending = []
         for r in ranges:
-            sink = RangeScatter([(info.offset - r.start, landing) for info, (_, _, landing) in r.items])
-            self.pending.append((r, sink, reader.store.get_range_async(r.key, r.start, r.end, sink)))
+            landings = [(info, item, ItemLanding(info.length, None, view)) for info, (item, view) in r.items]
+            sink = RangeScatter([(info.offset - r.start, landing) for info, _, landing in landings])
+            self.pending.append((landings, sink, reader.store.get_range_async(r.key, r.start, r.end, sink)))
             reader.bytes_read += r.end - r.start
 
-    def ready(self):
-        for r, _, fut in self.pending:
-            try:
+    def wait(self) -> None:
+        reader = self.items.reader
+        try:
+            for _, _, fut in self.pending:
                 fut.result()
-                error = None
-            except Exception as e:  # noqa: BLE001 - the exchange reports it to every rank
-                error = e
-            for info, (place, reqs, landing) in r.items:
-                if error is None:
-                    try:
-                        self.reader._checked(reqs, info, landing)
-                    except Exception as e:  # noqa: BLE001
-                        yield place, e
-                        continue
-                yield place, error
+        except BaseException:
+            self.cancel()
+            raise
+        for landings, _, _ in self.pending:
+            for info, item, landing in landings:
+                index = self.items.index(item)[0]
+                reader._checked(index, info, landing)
+                shape = self.items.shape(item)
+                if shape is None:
+                    continue
+                where = reader._where(info, index)
+                stored = parse_tensor(landing.buffer, where)
+                if stored.dtype != shape[0] or tuple(stored.shape) != shape[1]:
+                    raise CorruptCheckpointError(
+                        f"{where}: holds a {stored.dtype} tensor of shape {tuple(stored.shape)}, "
+                        f"where the metadata says {shape[0]} of {shape[1]}"
+                    )
+                self.items.values[item] = stored.resolve_conj().resolve_neg().contiguous()
 
     def cancel(self) -> None:
         for _, sink, fut in self.pending:
             sink.abort()
             fut.cancel()
         concurrent.futures.wait([fut for *_, fut in self.pending])
+
+
+_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+
+
+def parse_tensor(raw: bytes | memoryview | bytearray, where: str) -> torch.Tensor:
+    """The tensor of an item's ``torch.save`` bytes, a view of them; ``CorruptCheckpointError`` naming ``where`` if they are not one."""
+    try:
+        return load_tensor(raw)
+    except Exception as e:  # noqa: BLE001 - any failure here means bad bytes
+        raise CorruptCheckpointError(f"{where}: cannot deserialize the tensor ({e})") from e
+
+
+def land_tensor(stored: torch.Tensor, reqs: list[ReadItem], targets, planner: LoadPlanner, copy, where: str) -> None:
+    """Copy each ``ReadItem``'s part of the stored tensor into its destination (``copy(target, source)``) and commit it."""
+    for req, target in zip(reqs, targets):
+        tensor = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
+        if target.size() != tensor.size():
+            raise StateDictMismatchError(
+                f"{where}: shape {tuple(tensor.size())} in the checkpoint does not fit "
+                f"{tuple(target.size())} in the state dict"
+            )
+        copy(target, tensor)
+        planner.commit_tensor(req, target)
 
 
 def undo_transforms(raw: bytes | memoryview, info: _StorageInfo, transforms: _StorageReaderTransforms, where: str):
