@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dcpstore
-from dcpstore.reader import parse_metadata
+from dcpstore.metadata_reading import parse_metadata
 from dcpstore.safe_pickle import MAX_NESTING, MAX_PREDICTABLE_KEYS, loads_metadata
 from dist_utils import deadline_scale
 from helpers import sample_state_dict

@@ -223,7 +223,7 @@ def test_state_dict_mismatch_is_clear(bucket):
     url = f"s3://{bucket}/ckpt"
     save({"w": torch.ones(4)}, url)
     md = dcpstore.ObjectStoreReader(url).read_metadata()
-    from dcpstore.reader import check_state_dict
+    from dcpstore.metadata_reading import check_state_dict
 
     with pytest.raises(dcpstore.StateDictMismatchError, match=r"keys missing from the checkpoint: v"):
         check_state_dict({"w": torch.zeros(4), "v": torch.zeros(1)}, md, url)

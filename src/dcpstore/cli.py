@@ -98,7 +98,7 @@ def summarize(store: ObjectStore) -> dict:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     from . import planner_data
-    from .reader import read_metadata
+    from .metadata_reading import read_metadata
 
     metadata = read_metadata(store)
     tensors, byte_items = [], []
@@ -147,7 +147,8 @@ def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
 
     from . import planner_data, resume_share
 
-    from .reader import read_metadata, undo_transforms
+    from .metadata_reading import read_metadata
+    from .reader import undo_transforms
     from .safe_pickle import check_bytes_item
     from .tensor_archive import load_tensor
 

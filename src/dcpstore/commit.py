@@ -70,7 +70,7 @@ from .errors import (
     ObjectNotFoundError,
 )
 from .layout import METADATA_KEY, NONCE_KEY, destination, is_tombstone
-from .reader import parse_metadata
+from .metadata_reading import parse_metadata
 from .storage import ObjectStore, Tries
 
 logger = logging.getLogger(__name__)

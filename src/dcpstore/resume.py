@@ -43,9 +43,10 @@ from . import resume_index, resume_share
 from .collectives import Collectives, describe
 from .errors import CheckpointLoadError, CheckpointNotFoundError, DcpstoreError, ObjectNotFoundError
 from .layout import METADATA_KEY, StepNaming
+from .metadata_reading import check_state_dict, no_metadata_error, parse_metadata, read_metadata_bytes
 from .metadata_template import CommitTemplate, Unpatchable
 from .plan_cache import PlanCache, UnparsedMetadata, describe_source
-from .reader import ObjectStoreReader, check_state_dict, no_metadata_error, parse_metadata, read_metadata_bytes
+from .reader import ObjectStoreReader
 from .steps import CommitOrder
 from .storage import ObjectStore, TransferConfig
 from .writer import ObjectStoreWriter
@@ -104,9 +105,9 @@ class Resume:
             step, entry = shared
             url = self.step_url(step)
             reader = self._reader(step, allow_globals, allow_unsafe_pickle)
+            flat_sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
             if self.read_once and self.coll.enabled:
                 reader.read_once = self.coll.group
-            flat_sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
             if entry is not None:
                 share = self._read_share(reader, entry, flat_sd, url)
             if entry is not None and self.coll.all_min([int(share is not None)])[0]:

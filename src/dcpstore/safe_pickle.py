@@ -41,7 +41,7 @@ every call and every container fill is charged against a budget of
 ``WORK_PER_BYTE`` units per input byte, keys with a predictable hash are
 capped at ``MAX_PREDICTABLE_KEYS``, and containers nest at most
 ``MAX_NESTING`` deep.  A refusal raises ``CorruptCheckpointError`` (via
-``reader.parse_metadata``) naming the object.
+``metadata_reading.parse_metadata``) naming the object.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ MAX_NESTING = 100  # open MARKs: containers being filled inside one another
 
 
 class ParseBudgetError(ValueError):
-    """A pickle asked for more work than its size allows; ``reader.parse_metadata`` names the object."""
+    """A pickle asked for more work than its size allows; ``metadata_reading.parse_metadata`` names the object."""
 
 
 def _bytearray(data=b"", *args) -> bytearray:
