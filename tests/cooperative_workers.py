@@ -84,3 +84,37 @@ def load_losing_a_peer(rank, world_size, root: str, mib: float, victim: int) -> 
     except dcpstore.CheckpointLoadError as e:
         return str(e)
     return ""
+
+
+def load_into_cuda(rank, world_size, url: str, mib: float) -> bool:
+    """A replicated checkpoint loaded with ``read_once`` into CUDA destinations (one GPU for every rank): bit-exact.
+
+    One destination is a transposed view, so that its bytes go through the pinned ring and a narrow.
+    """
+    full = full_state(mib)
+    sd = {k: torch.zeros_like(v, device="cuda") for k, v in full.items()}
+    rows, cols = full["layer0.weight"].shape
+    sd["layer0.weight"] = torch.zeros(cols, rows, device="cuda").t()
+    sd["step"] = 0
+    dcp.load(sd, storage_reader=dcpstore.ObjectStoreReader(url, read_once=True))
+    torch.cuda.synchronize()
+    return sd["step"] == 41 and all(torch.equal(sd[k].cpu(), v) for k, v in full.items())
+
+
+def load_over_nccl(rank, world_size, url: str, mib: float) -> bool:
+    """A replicated checkpoint loaded with ``read_once`` over an NCCL group, each rank on its own GPU: bit-exact.
+
+    Whole CUDA destinations take the values in place; a transposed one
+    goes through the ring; a CPU one through device memory and back.
+    """
+    torch.cuda.set_device(rank)
+    nccl = dist.new_group(backend="nccl")
+    full = full_state(mib)
+    sd = {k: torch.zeros_like(v, device="cuda") for k, v in full.items()}
+    rows, cols = full["layer0.weight"].shape
+    sd["layer0.weight"] = torch.zeros(cols, rows, device="cuda").t()
+    sd["layer1.weight"] = torch.zeros_like(full["layer1.weight"])
+    sd["step"] = 0
+    dcp.load(sd, storage_reader=dcpstore.ObjectStoreReader(url, read_once=nccl))
+    torch.cuda.synchronize()
+    return sd["step"] == 41 and all(torch.equal(sd[k].cpu(), v) for k, v in full.items())

@@ -235,6 +235,27 @@ def test_pinned_memory_is_exact_and_given_back(tmp_path):
     assert all(pool.pinned_bytes == 0 for pool in ckpt._pools)
 
 
+def test_a_read_once_load_into_cuda_destinations_is_bit_exact(tmp_path):
+    """Two gloo ranks on one GPU: the items each owner sends land in the other's pinned ring, then on the GPU."""
+    from cooperative_workers import load_into_cuda, save_layouts
+    from dist_utils import run_ranks
+
+    root = f"file://{tmp_path}/layouts"
+    run_ranks(save_layouts, 2, root, 4, ("replicated",))
+    assert all(run_ranks(load_into_cuda, 2, f"{root}/replicated", 4).values())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_read_once_load_over_nccl_is_bit_exact(tmp_path):
+    """Two ranks, a GPU each: the items travel over an NCCL group, into CUDA destinations in place, through the ring, and to a CPU one."""
+    from cooperative_workers import load_over_nccl, save_layouts
+    from dist_utils import run_ranks
+
+    root = f"file://{tmp_path}/layouts"
+    run_ranks(save_layouts, 2, root, 4, ("replicated",))
+    assert all(run_ranks(load_over_nccl, 2, f"{root}/replicated", 4).values())
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tensors_on_cuda_1_create_no_context_on_gpu_0(tmp_path):
     """(g) A rank whose tensors are on cuda:1 and that never called set_device: no primary context on GPU 0."""

@@ -23,12 +23,20 @@ read items the gather brought, the same order as DCP's own global planning.
 **A round, on every rank** (``Exchange``).  The owner fetches its items of
 the round into the load's host ring (``load_buffers``) and checks their
 crc32 there (the reader's ``fetch``); one all-reduce of one int64 says
-whether every rank's fetch succeeded; then each owner sends its items, in
-chunks of at most ``chunk_bytes``, point to point to the ranks that need
-them, while the next round's reads are already in flight.  A receiver lands
-the chunks in its own ring and delivers the item without a crc32 pass of its
-own: the owner's verdict stands, and a second pass would cost every rank the
-same CPU again.  Host memory: two rounds, the one sent and the one read.
+whether every rank's fetch succeeded; only then does each owner send its
+items, in chunks of at most ``chunk_bytes``, point to point to the ranks
+that need them, while the next round's reads are already in flight.  What
+travels, and where it lands, is the reader's (``SharedItems``): a tensor's
+values, straight into a destination that can take them as they are, else
+into the receiver's ring.  A receiver delivers without a crc32 pass of its
+own: the owner's verdict stands, and a second pass would cost every rank
+the same CPU again.  Memory: two rounds, the one sent and the one read.
+
+**Transport.**  The items travel over the group the reader is given: a
+gloo group as host memory, an NCCL group through the current CUDA device
+(``_DeviceLink``), where a CUDA destination takes its values in place.
+``AsyncCheckpointer.load`` gives the training group where the
+destinations are on a GPU and it is NCCL, else its own gloo group.
 
 **Failures.**  A fetch that fails at its owner (a missing object, a crc32
 that fails twice) fails the round's all-reduce on every rank before any of
@@ -43,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -164,6 +172,83 @@ def plan(plans: list[LoadPlan], *, round_bytes: int, chunk_bytes: int = CHUNK_BY
     return [dataclasses.replace(p, storage_data=Assignment(rounds, parts[rank], chunk_bytes)) for rank, p in enumerate(plans)]
 
 
+def travels_on_device(group: dist.ProcessGroup | None) -> bool:
+    """Whether items sent over ``group`` travel through the current CUDA device (NCCL), not as host memory (gloo)."""
+    return "nccl" in dist.get_backend(group)  # "nccl", or NCCL for CUDA beside gloo for CPU
+
+
+class _HostLink:
+    """gloo: items travel as host memory, each send and receive posted on its own."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+
+    def flag(self, value: int) -> torch.Tensor:
+        return torch.tensor([value], dtype=torch.int64)
+
+    def outgoing(self, payload: torch.Tensor) -> torch.Tensor:
+        return payload
+
+    def incoming(self, landing: torch.Tensor) -> torch.Tensor:
+        return landing
+
+    def arrived(self, landing: torch.Tensor, incoming: torch.Tensor) -> None:
+        pass
+
+    def post(self, ops: list[tuple[Callable, torch.Tensor, int, int]]) -> list:
+        """Each operation's work, or the error posting it raised (a peer already gone): the others are posted all the same."""
+        works: list = []
+        for op, data, peer, tag in ops:
+            try:
+                works.append(op(data, peer, group=self.group, tag=tag))
+            except Exception as e:  # noqa: BLE001 - reported with the peer and the item by the caller
+                works.append(e)
+        return works
+
+    def settle(self) -> None:
+        """Return once the round's bytes are where they belong and the memory they came from may be reused."""
+
+
+class _DeviceLink(_HostLink):
+    """NCCL: items travel through the current CUDA device.
+
+    An owner's bytes are copied to the device once per round (whatever the
+    number of receivers); a receiver's land straight in a CUDA destination,
+    or in device memory and then in the host memory it asked for.  The
+    round's operations go as one NCCL group (``batch_isend_irecv``), in
+    the same order on both sides of each pair, as NCCL matches them.
+    Device memory: the round's bytes, within half the read-ahead window.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        super().__init__(group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def flag(self, value: int) -> torch.Tensor:
+        return torch.tensor([value], dtype=torch.int64, device=self.device)
+
+    def outgoing(self, payload: torch.Tensor) -> torch.Tensor:
+        return payload if payload.is_cuda else payload.to(self.device)
+
+    def incoming(self, landing: torch.Tensor) -> torch.Tensor:
+        return landing if landing.is_cuda else torch.empty(len(landing), dtype=torch.uint8, device=self.device)
+
+    def arrived(self, landing: torch.Tensor, incoming: torch.Tensor) -> None:
+        if incoming is not landing:
+            landing.copy_(incoming)  # to host: waits for the transfer, on the stream NCCL's work made wait
+
+    def post(self, ops: list[tuple[Callable, torch.Tensor, int, int]]) -> list:
+        """The works of one NCCL group: one for all (then ``None`` for the rest), or one each."""
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv([dist.P2POp(op, data, peer, self.group, tag) for op, data, peer, tag in ops])
+        return works if len(works) == len(ops) else works + [None] * (len(ops) - len(works))
+
+    def settle(self) -> None:
+        # work.wait() only makes the current stream wait: device memory of the round goes back after this.
+        torch.cuda.current_stream(self.device).synchronize()
+
+
 class Fetch(Protocol):
     """The GETs of the items a rank owns in a round, begun into the ring's buffers."""
 
@@ -212,8 +297,10 @@ class Exchange:
 
     Args:
         assignment: this rank's ``Assignment``.
-        group: the process group ``dcp.load`` runs on (a gloo group: the
-            items travel as host memory).
+        group: the group the items travel over, its members in the order
+            of the group ``dcp.load`` runs on: that group itself (gloo, the
+            items as host memory), or the training group (NCCL, through
+            the current CUDA device; ``travels_on_device``).
         describe: names an item (its object and key) for error messages.
     """
 
@@ -222,6 +309,7 @@ class Exchange:
         self.group = group
         self.rank = dist.get_rank(group)
         self.describe = describe
+        self.link = _DeviceLink(group) if travels_on_device(group) else _HostLink(group)
 
     def run(self, buffers: LoadBuffers, items: SharedItems) -> None:
         """Every round in turn, the next one's reads in flight meanwhile: fetch, agree, send and receive, deliver.
@@ -275,7 +363,7 @@ class Exchange:
 
     def _agree(self, now: _Round, failure: BaseException | None) -> None:
         """Raise on every rank if any rank's fetch of the round failed: before anything of it is sent."""
-        flag = torch.tensor([int(failure is not None)], dtype=torch.int64)
+        flag = self.link.flag(int(failure is not None))
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         except Exception as e:  # noqa: BLE001 - gloo's error names an address, not a rank
@@ -301,26 +389,34 @@ class Exchange:
         rather than this one once it gives up on them.
         """
         chunk = self.assignment.chunk_bytes
-        works: list[tuple[Any, int, int, str]] = []  # (work, peer, item, verb)
+        ops: list[tuple[Callable, torch.Tensor, int, int]] = []
+        about: list[tuple[int, int, str]] = []  # each op's peer, item, and what it did
+        arrivals: list[tuple[torch.Tensor, torch.Tensor]] = []  # (landing, what the link received it into)
         lost: dict[int, tuple[int, str, BaseException]] = {}  # peer -> the first item it failed, and how
 
-        def post(op, wire: torch.Tensor, peers: Sequence[int], tag: int, item: int, verb: str) -> None:
+        def add(op, wire: torch.Tensor, peers: Sequence[int], tag: int, item: int, verb: str) -> None:
             for c, start in enumerate(range(0, len(wire), chunk)):
                 for peer in peers:
-                    if peer in lost:
-                        continue
-                    try:
-                        works.append((op(wire[start : start + chunk], self._global(peer), group=self.group, tag=(tag + c) % _TAG_SPACE), peer, item, verb))
-                    except Exception as e:  # noqa: BLE001
-                        lost[peer] = (item, verb, e)
+                    ops.append((op, wire[start : start + chunk], self._global(peer), (tag + c) % _TAG_SPACE))
+                    about.append((peer, item, verb))
 
         for item, owner, tag in now.part.receives:
-            post(dist.irecv, items.landing(item, now.views[item]), (owner,), tag, item, "receiving")
+            landing = items.landing(item, now.views[item])
+            wire = self.link.incoming(landing)
+            arrivals.append((landing, wire))
+            add(dist.irecv, wire, (owner,), tag, item, "receiving")
         for item, receivers, tag in now.part.sends:
-            post(dist.isend, items.payload(item), receivers, tag, item, "sending")
-        for work, peer, item, verb in works:
+            add(dist.isend, self.link.outgoing(items.payload(item)), receivers, tag, item, "sending")
+        try:
+            works = self.link.post(ops)
+        except Exception as e:  # noqa: BLE001 - one NCCL group: none of it was posted
+            works = [e] * len(ops)
+        for work, (peer, item, verb) in zip(works, about):
             try:
-                work.wait()
+                if isinstance(work, BaseException):
+                    raise work
+                if work is not None:
+                    work.wait()
             except Exception as e:  # noqa: BLE001
                 lost.setdefault(peer, (item, verb, e))
         if lost:
@@ -331,6 +427,9 @@ class Exchange:
             message += f" in round {now.index} of the cooperative load: {first}"
             logger.error("%s", message)
             raise PeerLoadError(message) from first
+        for landing, wire in arrivals:
+            self.link.arrived(landing, wire)
+        self.link.settle()
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank

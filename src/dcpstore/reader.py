@@ -96,8 +96,10 @@ class ObjectStoreReader(StorageReader, StoreOwner):
             bucket once, on one of them, and send it to the others
             (``cooperative_load``): under DDP or HSDP a job reads the
             checkpoint once, not once per replica.  ``True``: over the
-            default process group; or the group ``dcp.load`` runs on (a
-            gloo group: items travel as host memory).  Every rank of the
+            default process group; or a group with the members, in order,
+            of the group ``dcp.load`` runs on: a gloo group (items travel
+            as host memory) or an NCCL one (through the current CUDA
+            device, straight into CUDA destinations).  Every rank of the
             load must pass it.  A rank checks the crc32 of what it reads
             before it sends it on; a failed read fails the load on every
             rank, naming the rank that read it.
@@ -281,7 +283,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         """The items this rank reads with its peers: each fetched by one owner, checked there, sent to the others."""
         group = self.read_once if isinstance(self.read_once, dist.ProcessGroup) else None
         buffers = LoadBuffers(self.readahead_bytes)
-        items = _SharedItems(self, needed, planner, buffers)
+        items = _SharedItems(self, needed, planner, buffers, on_device=cooperative_load.travels_on_device(group))
         try:
             cooperative_load.Exchange(assignment, group, items.describe).run(buffers, items)
         except BaseException as e:
@@ -438,14 +440,17 @@ class _SharedItems:
     A tensor item stored without stream transforms travels as its values
     (dtype and shape from the metadata, which the owner checks the stored
     tensor against): a receiver whose destination is a whole, contiguous
-    CPU tensor of that dtype and shape takes the bytes straight into it, as
-    a lone read lands in place; any other receiver takes them into the ring
-    and copies out.  Any other item travels as its stored bytes, and the
-    receiver undoes transforms and checks pickles as a lone read does.
+    tensor of that dtype and shape takes the bytes straight into it, as a
+    lone read lands in place (a CPU tensor; over NCCL, ``on_device``, a
+    tensor on the current CUDA device); any other receiver takes them into
+    the ring and copies out.  Any other item travels as its stored bytes,
+    and the receiver undoes transforms and checks pickles as a lone read
+    does.
     """
 
-    def __init__(self, reader: ObjectStoreReader, needed: dict, planner: LoadPlanner, buffers: LoadBuffers):
+    def __init__(self, reader: ObjectStoreReader, needed: dict, planner: LoadPlanner, buffers: LoadBuffers, on_device: bool = False):
         self.reader, self.needed, self.planner, self.buffers = reader, needed, planner, buffers
+        self.device = torch.device("cuda", torch.cuda.current_device()) if on_device else None
         self.claims = DestinationClaims()
         self.targets: dict[int, list] = {}  # item -> each entry's resolved destinations
         self.in_place: dict[int, torch.Tensor] = {}  # received item -> the destination its values land in
@@ -508,13 +513,25 @@ class _SharedItems:
         req, target = entries[0][1][0], self.targets[item][0][0]
         dtype, sizes = shape
         whole = not any(req.storage_offsets) and tuple(req.lengths) == sizes
-        fits = target.dtype == dtype and tuple(target.shape) == sizes and destination_bytes(target) is not None
+        fits = target.dtype == dtype and tuple(target.shape) == sizes and (
+            destination_bytes(target) is not None if not target.is_cuda else self._device_takes(target)
+        )
         if not (whole and fits and self.claims.claim([target])):
             if whole and fits:
                 self.claims.release([target])
             return False
         self.in_place[item] = target
         return True
+
+    def _device_takes(self, target: torch.Tensor) -> bool:
+        """Whether NCCL can receive a tensor's values straight into CUDA ``target`` (dense, contiguous, on this rank's device)."""
+        return (
+            target.device == self.device
+            and target.layout == torch.strided
+            and target.is_contiguous()
+            and target.numel() > 0
+            and not (target.is_conj() or target.is_neg() or target.is_quantized)
+        )
 
     def fetch(self, owned: list[tuple[int, memoryview]]) -> "_OwnedFetch":
         self.views.update(owned)

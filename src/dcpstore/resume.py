@@ -34,10 +34,13 @@ import threading
 import warnings
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.utils._pytree import tree_leaves
 
 from . import resume_index, resume_share
 from .collectives import Collectives, describe
@@ -107,7 +110,7 @@ class Resume:
             reader = self._reader(step, allow_globals, allow_unsafe_pickle)
             flat_sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
             if self.read_once and self.coll.enabled:
-                reader.read_once = self.coll.group
+                reader.read_once = self._read_once_group(flat_sd)
             if entry is not None:
                 share = self._read_share(reader, entry, flat_sd, url)
             if entry is not None and self.coll.all_min([int(share is not None)])[0]:
@@ -156,6 +159,24 @@ class Resume:
         finally:
             writer.close()
         return step
+
+    def _read_once_group(self, state_dict: dict[str, Any]) -> dist.ProcessGroup:
+        """The group a cooperative load's items travel over.
+
+        The training group (the default one) where the destinations are on
+        a GPU, it is NCCL, and its ranks are the checkpointer's in the same
+        order (the checkpointer's default group is made from it); else the
+        checkpointer's gloo group, as host memory.
+        """
+        on_gpu = any(isinstance(v, torch.Tensor) and v.is_cuda for v in tree_leaves(state_dict))
+        if (
+            on_gpu
+            and "nccl" in dist.get_backend()
+            and dist.get_world_size() == self.coll.world_size
+            and all(dist.get_global_rank(self.coll.group, r) == r for r in range(self.coll.world_size))
+        ):
+            return dist.group.WORLD
+        return self.coll.group
 
     def _reader(self, step: int, allow_globals: tuple, allow_unsafe_pickle: bool) -> ObjectStoreReader:
         return ObjectStoreReader(
