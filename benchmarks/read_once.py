@@ -142,7 +142,10 @@ def simulate_plan(replicas: int, shards: int, items: int, item_bytes: int = 1_10
     plans = []
     for rank in range(replicas * shards):
         shard = rank % shards
-        wanted = tuple((f"__{shard}_0123456789abcdef_{i % 4}.distcp", (i // 4) * item_bytes, item_bytes) for i in range(items))
+        wanted = tuple(
+            (f"__{shard}_0123456789abcdef_{i % 4}.distcp", (i // 4) * item_bytes, item_bytes, f"model.layers.{i // 25}.w{i % 25}.weight", (shard * 512, 0))
+            for i in range(items)
+        )
         plans.append(LoadPlan([], storage_data=cooperative_load.Wanted(wanted)))
     cpu = time.process_time()
     out = cooperative_load.plan(plans, round_bytes=round_bytes)

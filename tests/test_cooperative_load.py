@@ -118,6 +118,16 @@ def test_the_plan_gives_each_shared_item_one_owner_balanced_by_bytes_and_rounds_
         assert max(group) - min(group) <= 1 << 20, group
 
 
+def test_an_item_every_rank_needs_does_not_hold_the_replica_groups_back():
+    """Replicated scalars (an optimizer's step) in every shard file: each replica group's rounds still run side by side."""
+    plans = simulated_plans(2, 8, 40)
+    alone = cooperative_load.plan(plans, round_bytes=8 << 20)[0].storage_data.rounds
+    for rank, p in enumerate(plans):  # every rank also needs a small item in each shard's file
+        extra = tuple((f"__{shard}_0.distcp", 1 << 40, 8) for shard in range(8))
+        plans[rank] = LoadPlan([], storage_data=cooperative_load.Wanted(p.storage_data.items + extra))
+    assert cooperative_load.plan(plans, round_bytes=8 << 20)[0].storage_data.rounds <= alone + 1
+
+
 def test_the_plan_is_off_when_nothing_is_shared_or_a_rank_opted_out():
     sharded = [LoadPlan([], storage_data=cooperative_load.Wanted(((f"__{r}_0.distcp", 0, 100),))) for r in range(4)]
     assert all(p.storage_data is None for p in cooperative_load.plan(sharded, round_bytes=1 << 20))

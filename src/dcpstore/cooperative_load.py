@@ -62,8 +62,9 @@ from .load_buffers import LoadBuffers, Region
 
 logger = logging.getLogger(__name__)
 
-#: A stored item: object key, offset and length.  Two ranks that name the same one need the same bytes.
-StoredItem = tuple[str, int, int]
+#: A stored item: object key, offset, length, then its storage index (key and offset).  Two ranks that
+#: name the same one need the same bytes; only the length (``[2]``) means anything to the plan.
+StoredItem = tuple
 
 #: The largest point-to-point message; an item larger than this is sent in several.
 CHUNK_BYTES = 32 << 20
@@ -145,31 +146,59 @@ def plan(plans: list[LoadPlan], *, round_bytes: int, chunk_bytes: int = CHUNK_BY
         owner[item] = rank
         load[rank] += item[2]
 
-    # Rounds: each rank's bytes in a round (sent or received) within round_bytes.
+    rounds = _Rounds(len(plans), round_bytes)
     parts: list[dict[int, Part]] = [{} for _ in plans]
-    current = [0] * len(plans)  # each rank's latest round
-    used = [0] * len(plans)  # its bytes in that round
-    rounds = 0
     tag = 0
     for item in sorted(shared):  # by object and offset: an owner's items of a round coalesce
         who = needers[item]
-        length = item[2]
-        r = max(current[rank] if used[rank] == 0 or used[rank] + length <= round_bytes else current[rank] + 1 for rank, _ in who)
-        for rank, _ in who:
-            if current[rank] < r:
-                current[rank], used[rank] = r, 0
-            used[rank] += length
-        rounds = max(rounds, r + 1)
         source = owner[item]
         receivers = tuple(rank for rank, _ in who if rank != source)
+        # The owner's share of a round counts every copy it sends, so that a
+        # round's sending is spread over many owners, not left to a few.
+        r = rounds.place({rank: item[2] * (len(receivers) if rank == source else 1) for rank, _ in who})
         for rank, place in who:
             part = parts[rank].setdefault(r, Part())
             if rank == source:
                 part.sends.append((place, receivers, tag))
             else:
                 part.receives.append((place, source, tag))
-        tag = (tag + max(1, -(-length // chunk_bytes))) % _TAG_SPACE
-    return [dataclasses.replace(p, storage_data=Assignment(rounds, parts[rank], chunk_bytes)) for rank, p in enumerate(plans)]
+        tag = (tag + max(1, -(-item[2] // chunk_bytes))) % _TAG_SPACE
+    return [dataclasses.replace(p, storage_data=Assignment(rounds.count, parts[rank], chunk_bytes)) for rank, p in enumerate(plans)]
+
+
+class _Rounds:
+    """Packs items into rounds: each in the earliest round where every rank it involves has room left.
+
+    A rank's room in a round is ``budget`` bytes; an item that does not fit
+    an empty round takes one alone.  Items of different replica groups
+    share rounds (an item that every rank needs does not hold the others
+    back), and a rank's rounds fill from the first, so the job takes about
+    as many rounds as its busiest rank needs.
+    """
+
+    def __init__(self, ranks: int, budget: int):
+        self.budget = budget
+        self.used: list[list[int]] = [[] for _ in range(ranks)]  # each rank's bytes in each round
+        self.lowest = [0] * ranks  # each rank's first round with room left
+        self.count = 0
+
+    def place(self, shares: dict[int, int]) -> int:
+        """The round the item goes in, ``shares`` being each involved rank's bytes of it; booked."""
+        r = max(self.lowest[rank] for rank in shares)
+        while not all(self._fits(rank, r, n) for rank, n in shares.items()):
+            r += 1
+        for rank, n in shares.items():
+            used = self.used[rank]
+            used.extend([0] * (r + 1 - len(used)))
+            used[r] += n
+            while self.lowest[rank] < len(used) and used[self.lowest[rank]] >= self.budget:
+                self.lowest[rank] += 1
+        self.count = max(self.count, r + 1)
+        return r
+
+    def _fits(self, rank: int, r: int, n: int) -> bool:
+        used = self.used[rank][r] if r < len(self.used[rank]) else 0
+        return used == 0 or used + n <= self.budget
 
 
 def travels_on_device(group: dist.ProcessGroup | None) -> bool:
@@ -290,6 +319,7 @@ class _Round:
     region: Region | None
     views: dict[int, memoryview | None]
     fetch: Fetch | None
+    arrivals: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(default_factory=list)  # (landing, what the link receives into)
 
 
 class Exchange:
@@ -308,6 +338,7 @@ class Exchange:
         self.assignment = assignment
         self.group = group
         self.rank = dist.get_rank(group)
+        self.ranks = dist.get_process_group_ranks(group or dist.group.WORLD)  # group rank -> global rank
         self.describe = describe
         self.link = _DeviceLink(group) if travels_on_device(group) else _HostLink(group)
 
@@ -315,28 +346,44 @@ class Exchange:
         """Every round in turn, the next one's reads in flight meanwhile: fetch, agree, send and receive, deliver.
 
         Nothing of a round is sent before the all-reduce that says every
-        owner's fetch of it succeeded, so a received item can land straight
-        in its destination: a round in which any read failed touches no
-        destination on any rank.
+        rank is ready for it: its owners' fetches checked, every rank's
+        memory and destinations prepared, the last round delivered.  So a
+        received item can land straight in its destination, a round in which
+        anything failed touches no destination on any rank, and no rank
+        that failed leaves the others waiting for it.  One more all-reduce
+        after the last round reports the last delivery.
         """
         rounds = self.assignment.rounds
         nxt: _Round | None = None
+        later: BaseException | None = None  # a failure to report at the next agreement
         try:
             for r in range(rounds):
-                now = nxt if nxt is not None else self._begin(r, buffers, items)
-                nxt = self._begin(r + 1, buffers, items, wait_for_room=False) if r + 1 < rounds else None
-                failure = None
-                if now.fetch is not None:
-                    try:
-                        now.fetch.wait()
-                    except Exception as e:  # noqa: BLE001 - every rank must hear of it in the all-reduce below
-                        failure = e
-                self._agree(now, failure)
-                self._send_and_receive(now, items)
-                for item in now.views:
-                    items.deliver(item, now.region)
+                failure, later = later, None
+                now = ops = None
+                try:
+                    if failure is None:
+                        now = nxt if nxt is not None else self._begin(r, buffers, items)
+                        nxt = None
+                        if r + 1 < rounds:
+                            try:
+                                nxt = self._begin(r + 1, buffers, items, wait_for_room=False)
+                            except Exception as e:  # noqa: BLE001 - round r + 1's, reported with it
+                                later = e
+                        if now.fetch is not None:
+                            now.fetch.wait()
+                        ops = self._operations(now, items)
+                except Exception as e:  # noqa: BLE001 - every rank must hear of it in the all-reduce below
+                    failure = e
+                self._agree(r, failure)
+                self._transfer(now, ops)
+                try:
+                    for item in now.views:
+                        items.deliver(item, now.region)
+                except Exception as e:  # noqa: BLE001
+                    later = later or e
                 if now.region is not None:
                     now.region.delivered = True
+            self._agree(rounds, later)
         except BaseException:
             if nxt is not None and nxt.fetch is not None:
                 nxt.fetch.cancel()
@@ -361,14 +408,14 @@ class Exchange:
         fetch = items.fetch([(i, views[i]) for i, _, _ in part.sends]) if owned else None
         return _Round(r, part, region, views, fetch)
 
-    def _agree(self, now: _Round, failure: BaseException | None) -> None:
-        """Raise on every rank if any rank's fetch of the round failed: before anything of it is sent."""
+    def _agree(self, r: int, failure: BaseException | None) -> None:
+        """Raise on every rank if any rank failed on its way to round ``r`` (or, ``r`` = rounds, in the last delivery)."""
         flag = self.link.flag(int(failure is not None))
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         except Exception as e:  # noqa: BLE001 - gloo's error names an address, not a rank
             raise PeerLoadError(
-                f"rank {self.rank}: round {now.index} of the cooperative load could not agree with its peers "
+                f"rank {self.rank}: round {r} of the cooperative load could not agree with its peers "
                 f"(a rank died, hung or lost its link): {e}"
             ) from failure or e
         if not flag.item():
@@ -377,41 +424,47 @@ class Exchange:
         dist.all_gather_object(reports, None if failure is None else f"{type(failure).__name__}: {failure}", group=self.group)
         if failure is not None:
             raise failure
-        rank, report = next((r, m) for r, m in enumerate(reports) if m is not None)
-        raise PeerLoadError(f"rank {self.rank}: rank {rank} could not read its items of round {now.index}, which this rank needs: {report}")
+        rank, report = next((n, m) for n, m in enumerate(reports) if m is not None)
+        raise PeerLoadError(f"rank {self.rank}: rank {rank} failed in round {r} of the cooperative load, which this rank takes part in: {report}")
 
-    def _send_and_receive(self, now: _Round, items: SharedItems) -> None:
-        """The round's transfers, in chunks: every receive posted, then every send, then all waited for.
+    def _operations(self, now: _Round, items: SharedItems) -> list[tuple[Callable, torch.Tensor, int, int, int, str]]:
+        """The round's transfers, in chunks, ready to post: ``(isend or irecv, bytes, peer, tag, item, verb)``.
+
+        Everything that may fail before bytes move (where each item lands,
+        what each sends, device memory over NCCL) is done here, before the
+        round's agreement.
+        """
+        chunk = self.assignment.chunk_bytes
+        ops: list = []
+
+        def add(op, wire: torch.Tensor, peers: Sequence[int], tag: int, item: int, verb: str) -> None:
+            for c, start in enumerate(range(0, len(wire), chunk)):
+                ops.extend((op, wire[start : start + chunk], peer, (tag + c) % _TAG_SPACE, item, verb) for peer in peers)
+
+        now.arrivals = []
+        for item, owner, tag in now.part.receives:
+            landing = items.landing(item, now.views[item])
+            wire = self.link.incoming(landing)
+            now.arrivals.append((landing, wire))
+            add(dist.irecv, wire, (owner,), tag, item, "receiving")
+        for item, receivers, tag in now.part.sends:
+            add(dist.isend, self.link.outgoing(items.payload(item)), receivers, tag, item, "sending")
+        return ops
+
+    def _transfer(self, now: _Round, ops: list) -> None:
+        """Post every operation of the round, then wait for them all.
 
         A peer that is lost does not stop the others' transfers: every
         operation with a live peer is still posted and waited for, so that
         the live peers finish the round and name the lost rank themselves,
         rather than this one once it gives up on them.
         """
-        chunk = self.assignment.chunk_bytes
-        ops: list[tuple[Callable, torch.Tensor, int, int]] = []
-        about: list[tuple[int, int, str]] = []  # each op's peer, item, and what it did
-        arrivals: list[tuple[torch.Tensor, torch.Tensor]] = []  # (landing, what the link received it into)
         lost: dict[int, tuple[int, str, BaseException]] = {}  # peer -> the first item it failed, and how
-
-        def add(op, wire: torch.Tensor, peers: Sequence[int], tag: int, item: int, verb: str) -> None:
-            for c, start in enumerate(range(0, len(wire), chunk)):
-                for peer in peers:
-                    ops.append((op, wire[start : start + chunk], self._global(peer), (tag + c) % _TAG_SPACE))
-                    about.append((peer, item, verb))
-
-        for item, owner, tag in now.part.receives:
-            landing = items.landing(item, now.views[item])
-            wire = self.link.incoming(landing)
-            arrivals.append((landing, wire))
-            add(dist.irecv, wire, (owner,), tag, item, "receiving")
-        for item, receivers, tag in now.part.sends:
-            add(dist.isend, self.link.outgoing(items.payload(item)), receivers, tag, item, "sending")
         try:
-            works = self.link.post(ops)
+            works = self.link.post([(op, wire, self.ranks[peer], tag) for op, wire, peer, tag, _, _ in ops])
         except Exception as e:  # noqa: BLE001 - one NCCL group: none of it was posted
             works = [e] * len(ops)
-        for work, (peer, item, verb) in zip(works, about):
+        for work, (_, _, peer, _, item, verb) in zip(works, ops):
             try:
                 if isinstance(work, BaseException):
                     raise work
@@ -427,16 +480,13 @@ class Exchange:
             message += f" in round {now.index} of the cooperative load: {first}"
             logger.error("%s", message)
             raise PeerLoadError(message) from first
-        for landing, wire in arrivals:
+        for landing, wire in now.arrivals:
             self.link.arrived(landing, wire)
         self.link.settle()
 
-    def _global(self, rank: int) -> int:
-        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
-
-def _wire(view: memoryview) -> torch.Tensor:
+def _wire(view: memoryview | None) -> torch.Tensor:
     """The bytes of ``view`` as a uint8 tensor over the same memory, for gloo to send from or receive into."""
-    if not len(view):
+    if view is None or not len(view):
         return torch.empty(0, dtype=torch.uint8)
     return torch.frombuffer(view, dtype=torch.uint8)

@@ -174,7 +174,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         self.metadata: Metadata | None = None
         #: Bytes this reader asked the store for since ``reset``: ranges as fetched (gaps and refetches included).
         self.bytes_read = 0
-        self._wanted: list[list] = []  # read_once: each stored item this rank names, as its storage indexes
+        self._wanted: list[MetadataIndex] = []  # read_once: the storage index of each stored item this rank names
         #: What stopped this rank's part of a cooperative load (``read_once``), kept for the caller: when a
         #: peer died, torch's closing gather fails on it and raises its own error, not this one.
         self.failure: BaseException | None = None
@@ -241,13 +241,14 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         """With ``read_once``: the plan names the stored items it reads (``cooperative_load.Wanted``), for the coordinator."""
         if not self.read_once:
             return plan
-        places: dict[tuple, list] = {}
+        # An item is its bytes and its storage index: two indexes naming the same bytes (a hostile
+        # .metadata) are two items, so that every rank that exchanges one reads it the same way.
+        places: dict[tuple, MetadataIndex] = {}
         for req in plan.items:
             info = self.storage_data.get(req.storage_index)
             if info is not None:
-                indexes = places.setdefault((info.relative_path, info.offset, info.length), [])
-                if req.storage_index not in indexes:
-                    indexes.append(req.storage_index)
+                index = req.storage_index
+                places.setdefault((info.relative_path, info.offset, info.length, index.fqn, tuple(index.offset or ())), index)
         self._wanted = list(places.values())
         return dataclasses.replace(plan, storage_data=cooperative_load.Wanted(tuple(places)))
 
@@ -272,8 +273,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
             shared = assignment.shared()
             self._read_shared(assignment, needed, planner)
             for place in shared:
-                for index in self._wanted[place]:
-                    needed.pop(index, None)
+                needed.pop(self._wanted[place], None)
         self._read_alone(needed, planner)
         done: Future[None] = Future()
         done.set_result(None)
@@ -456,16 +456,18 @@ class _SharedItems:
         self.in_place: dict[int, torch.Tensor] = {}  # received item -> the destination its values land in
         self.values: dict[int, torch.Tensor] = {}  # owned item sent as values -> the stored tensor
         self.views: dict[int, memoryview] = {}  # item -> its ring memory
+        self.prepared: dict[int, tuple[int, torch.device | None]] = {}  # item -> its ring bytes, its destinations' device
         self._chunks: dict[str, dict] = {}
 
     def index(self, item: int) -> tuple[MetadataIndex, _StorageInfo]:
         """The stored item's storage index and ``_StorageInfo`` (what the ranks exchange, whatever this rank's plan reads of it)."""
-        index = self.reader._wanted[item][0]
+        index = self.reader._wanted[item]
         return index, self.reader.storage_data[index]
 
     def entries(self, item: int) -> list[tuple[_StorageInfo, list[ReadItem]]]:
-        """This rank's ``ReadItem``s of the stored item, per storage index naming it (one, but in a hostile .metadata)."""
-        return [(self.reader.storage_data[i], self.needed[i]) for i in self.reader._wanted[item] if i in self.needed]
+        """``[(its _StorageInfo, this rank's ReadItems of it)]``; empty if the final plan reads none of it (a planner that changed it)."""
+        index, info = self.index(item)
+        return [(info, self.needed[index])] if index in self.needed else []
 
     def describe(self, item: int) -> str:
         index, info = self.index(item)
@@ -491,24 +493,34 @@ class _SharedItems:
         return dtype, sizes
 
     def prepare(self, items: list[int], owned: set[int]) -> tuple[list[int], torch.device | None]:
-        sizes, device = [], None
         for item in items:
-            entries = self.entries(item)
-            if entries and entries[0][1][0].type == LoadItemType.TENSOR:
-                self.targets[item] = [[self.planner.resolve_tensor(req).detach() for req in reqs] for _, reqs in entries]
-                device = device or next((t.device for ts in self.targets[item] for t in ts if t.is_cuda), None)
-            shape = self.shape(item)
-            if item in owned or shape is None:
-                sizes.append(self.index(item)[1].length)
-            elif self._lands_in_place(item, shape):
-                sizes.append(0)
-            else:
-                sizes.append(math.prod(shape[1]) * shape[0].itemsize)
-        return sizes, device
+            if item not in self.prepared:  # a round whose ring had no room yet is prepared again
+                self.prepared[item] = self._prepare(item, item in owned)
+        sizes = [self.prepared[item][0] for item in items]
+        return sizes, next((self.prepared[item][1] for item in items if self.prepared[item][1] is not None), None)
+
+    def _prepare(self, item: int, owned: bool) -> tuple[int, torch.device | None]:
+        """The ring bytes ``item`` needs here, and the CUDA device of its destinations if any."""
+        entries = self.entries(item)
+        device = None
+        if entries and entries[0][1][0].type == LoadItemType.TENSOR:
+            self.targets[item] = [[self.planner.resolve_tensor(req).detach() for req in reqs] for _, reqs in entries]
+            device = next((t.device for ts in self.targets[item] for t in ts if t.is_cuda), None)
+        shape = self.shape(item)
+        if owned or shape is None:
+            return self.index(item)[1].length, device
+        if self._lands_in_place(item, shape):
+            return 0, device
+        return math.prod(shape[1]) * shape[0].itemsize, device
 
     def _lands_in_place(self, item: int, shape: tuple[torch.dtype, tuple[int, ...]]) -> bool:
+        """Whether a received item's values go straight into its destination (claimed), as a lone read lands in place.
+
+        Not with ``verify_before_landing``: a transfer cut short by a lost
+        peer would leave part of the destination overwritten.
+        """
         entries = self.entries(item)
-        if len(entries) != 1 or len(entries[0][1]) != 1:
+        if self.reader.verify_before_landing or len(entries) != 1 or len(entries[0][1]) != 1:
             return False
         req, target = entries[0][1][0], self.targets[item][0][0]
         dtype, sizes = shape
@@ -526,7 +538,8 @@ class _SharedItems:
     def _device_takes(self, target: torch.Tensor) -> bool:
         """Whether NCCL can receive a tensor's values straight into CUDA ``target`` (dense, contiguous, on this rank's device)."""
         return (
-            target.device == self.device
+            type(target) is torch.Tensor  # a subclass's reshape/view need not share its memory
+            and target.device == self.device
             and target.layout == torch.strided
             and target.is_contiguous()
             and target.numel() > 0

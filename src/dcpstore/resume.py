@@ -161,22 +161,24 @@ class Resume:
         return step
 
     def _read_once_group(self, state_dict: dict[str, Any]) -> dist.ProcessGroup:
-        """The group a cooperative load's items travel over.
+        """The group a cooperative load's items travel over, the same on every rank (one all-reduce).
 
-        The training group (the default one) where the destinations are on
-        a GPU, it is NCCL, and its ranks are the checkpointer's in the same
-        order (the checkpointer's default group is made from it); else the
-        checkpointer's gloo group, as host memory.
+        The training group (the default one) where every rank's GPU
+        destinations are on its current device, that group is NCCL, and its
+        ranks are the checkpointer's in the same order (the checkpointer's
+        default group is made from it); else the checkpointer's gloo group,
+        as host memory.
         """
-        on_gpu = any(isinstance(v, torch.Tensor) and v.is_cuda for v in tree_leaves(state_dict))
-        if (
+        leaves = [v for v in tree_leaves(state_dict) if isinstance(v, torch.Tensor)]
+        on_gpu = bool(leaves) and all(not v.is_cuda or v.device.index == torch.cuda.current_device() for v in leaves)
+        on_gpu = on_gpu and any(v.is_cuda for v in leaves)
+        nccl = (
             on_gpu
             and "nccl" in dist.get_backend()
             and dist.get_world_size() == self.coll.world_size
-            and all(dist.get_global_rank(self.coll.group, r) == r for r in range(self.coll.world_size))
-        ):
-            return dist.group.WORLD
-        return self.coll.group
+            and dist.get_process_group_ranks(self.coll.group) == list(range(self.coll.world_size))
+        )
+        return dist.group.WORLD if self.coll.all_min([int(nccl)])[0] else self.coll.group
 
     def _reader(self, step: int, allow_globals: tuple, allow_unsafe_pickle: bool) -> ObjectStoreReader:
         return ObjectStoreReader(
