@@ -1,4 +1,4 @@
-"""The reader fetches many small items with few ranged GETs (``reader.coalesce``)."""
+"""The reader fetches many small items with few ranged GETs (``stored_items.coalesce``)."""
 
 import uuid
 
@@ -10,7 +10,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import dcpstore
-from dcpstore.reader import coalesce
+from dcpstore.stored_items import coalesce
 
 N_SMALL = 3000  # optimizer-state shaped: many 1 KiB tensors
 

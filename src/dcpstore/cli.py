@@ -148,7 +148,7 @@ def verify(store: ObjectStore, deep: bool, progress: bool = True) -> list[str]:
     from . import planner_data, resume_share
 
     from .metadata_reading import read_metadata
-    from .reader import undo_transforms
+    from .stored_items import undo_transforms
     from .safe_pickle import check_bytes_item
     from .tensor_archive import load_tensor
 

@@ -1,7 +1,7 @@
 """``ObjectStoreReader``: a DCP ``StorageReader`` with concurrent ranged reads.
 
 It reads only the objects' byte ranges the ``ReadItem``s need, coalesced
-(see ``coalesce``): items of one object that lie close together are fetched
+(see ``stored_items.coalesce``): items of one object that lie close together are fetched
 with one ranged GET, so a shard of 3,000 small optimizer-state tensors costs
 one request, not 3,000.  It keeps a bounded window of ranges in flight and
 hands items to the planner on the calling thread, because DCP planners are
@@ -14,8 +14,13 @@ destination (asynchronously to a GPU).  Items recorded with a crc32 (see
 ``planner_data``) are checked before they are deserialized, and a buffered
 item before it reaches its destination.
 
+With ``read_once``, the items several ranks need are read once for the
+job (``cooperative_load`` plans and runs the exchange; ``_SharedItems`` is
+this reader's side of it: what each item travels as, where it lands), and
+only the rest as above.
+
 Nothing read from the bucket runs code here (see ``safe_pickle``): ``.metadata``
-is unpickled with an allow-list, every non-tensor item is validated with
+is unpickled with an allow-list (``metadata_reading``), every non-tensor item is validated with
 torch's weights-only unpickler before any planner sees it, and every key the
 metadata names must lie below the checkpoint prefix.  A checksum does not
 authenticate anything: whoever can rewrite an item can rewrite its checksum.
@@ -42,7 +47,6 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.futures import Future
 
 from . import cooperative_load, planner_data, resume_index, resume_share
@@ -52,7 +56,7 @@ from .safe_pickle import check_bytes_item
 from .metadata_reading import check_storage_data, parse_metadata, read_metadata_bytes
 from .load_buffers import LoadBuffers, aligned
 from .scatter import DestinationClaims, ItemLanding, RangeScatter, destination_bytes
-from .tensor_archive import load_tensor
+from .stored_items import coalesce, land_tensor, parse_tensor, undo_transforms
 from .storage import ObjectStore, StoreOwner, TransferConfig, check_keywords, is_store_url
 
 logger = logging.getLogger(__name__)
@@ -641,85 +645,3 @@ class _OwnedFetch:
 
 
 _QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
-
-
-def parse_tensor(raw: bytes | memoryview | bytearray, where: str) -> torch.Tensor:
-    """The tensor of an item's ``torch.save`` bytes, a view of them; ``CorruptCheckpointError`` naming ``where`` if they are not one."""
-    try:
-        return load_tensor(raw)
-    except Exception as e:  # noqa: BLE001 - any failure here means bad bytes
-        raise CorruptCheckpointError(f"{where}: cannot deserialize the tensor ({e})") from e
-
-
-def land_tensor(stored: torch.Tensor, reqs: list[ReadItem], targets, planner: LoadPlanner, copy, where: str) -> None:
-    """Copy each ``ReadItem``'s part of the stored tensor into its destination (``copy(target, source)``) and commit it."""
-    for req, target in zip(reqs, targets):
-        tensor = narrow_tensor_by_index(stored, req.storage_offsets, req.lengths)
-        if target.size() != tensor.size():
-            raise StateDictMismatchError(
-                f"{where}: shape {tuple(tensor.size())} in the checkpoint does not fit "
-                f"{tuple(target.size())} in the state dict"
-            )
-        copy(target, tensor)
-        planner.commit_tensor(req, target)
-
-
-def undo_transforms(raw: bytes | memoryview, info: _StorageInfo, transforms: _StorageReaderTransforms, where: str):
-    """The item's ``torch.save`` bytes from its stored bytes: undo its stream extensions, if any.
-
-    The descriptors come from the bucket but only name extensions registered
-    in this process (``ExtensionRegistry``); nothing from the bucket runs.
-    """
-    if not info.transform_descriptors:
-        return raw
-    try:
-        return transforms.transform_load_stream(None, info.transform_descriptors, io.BytesIO(raw)).read(-1)
-    except Exception as e:  # noqa: BLE001 - an unknown extension, or bytes it cannot decode
-        raise CorruptCheckpointError(
-            f"{where}: cannot undo the stream transforms {list(info.transform_descriptors)} ({e})"
-        ) from e
-
-
-@dataclasses.dataclass
-class ByteRange:
-    """``[start, end)`` of object ``key``, and the stored items that lie in it."""
-
-    key: str
-    start: int
-    end: int
-    items: list[tuple[_StorageInfo, Any]]
-
-
-def coalesce(items: list[tuple[_StorageInfo, Any]], *, gap_bytes: int, max_bytes: int) -> list[ByteRange]:
-    """Group stored items into as few ranged reads as bounded memory allows.
-
-    Per object, items sorted by offset join the range before them when the
-    gap between them is at most ``gap_bytes``, or at most the bytes the range
-    already needs (so an object of which most is needed is fetched whole),
-    and the range stays within ``max_bytes`` (an item larger than that is a
-    range of its own; the store splits large ranges into concurrent part
-    GETs).  Ranges come in the order their objects first appear in
-    ``items``; ``items`` pairs each ``_StorageInfo`` with what the caller
-    wants back beside it.
-    """
-    by_object: dict[str, list[tuple[_StorageInfo, Any]]] = {}
-    for info, extra in items:
-        by_object.setdefault(info.relative_path, []).append((info, extra))
-    ranges: list[ByteRange] = []
-    for key, members in by_object.items():
-        members.sort(key=lambda m: m[0].offset)
-        current: ByteRange | None = None
-        needed = 0
-        for info, extra in members:
-            end = info.offset + info.length
-            if current is not None:
-                gap = info.offset - current.end
-                if gap <= max(gap_bytes, needed) and max(end, current.end) - current.start <= max_bytes:
-                    current.end = max(end, current.end)
-                    current.items.append((info, extra))
-                    needed += info.length
-                    continue
-            current = ByteRange(key, info.offset, end, [(info, extra)])
-            needed = info.length
-            ranges.append(current)
-    return ranges

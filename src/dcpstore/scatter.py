@@ -1,6 +1,6 @@
 """Where each byte of a ranged read lands: a tensor's data straight in its destination.
 
-A coalesced range (``reader.coalesce``) holds stored items, and each tensor
+A coalesced range (``stored_items.coalesce``) holds stored items, and each tensor
 item is a ``torch.save`` archive: a head (zip headers, ``data.pkl``), the
 tensor's bytes, and a tail (a few short records, the central directory).
 The store hands over the range's body in the chunks aiohttp read from the
