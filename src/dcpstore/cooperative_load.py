@@ -185,8 +185,11 @@ class _Rounds:
     def place(self, shares: dict[int, int]) -> int:
         """The round the item goes in, ``shares`` being each involved rank's bytes of it; booked."""
         r = max(self.lowest[rank] for rank in shares)
-        while not all(self._fits(rank, r, n) for rank, n in shares.items()):
-            r += 1
+        while True:  # each rank's first round from r with room for its share, until they agree
+            later = max(self._first_fit(rank, r, n) for rank, n in shares.items())
+            if later == r:
+                break
+            r = later
         for rank, n in shares.items():
             used = self.used[rank]
             used.extend([0] * (r + 1 - len(used)))
@@ -196,9 +199,12 @@ class _Rounds:
         self.count = max(self.count, r + 1)
         return r
 
-    def _fits(self, rank: int, r: int, n: int) -> bool:
-        used = self.used[rank][r] if r < len(self.used[rank]) else 0
-        return used == 0 or used + n <= self.budget
+    def _first_fit(self, rank: int, r: int, n: int) -> int:
+        """The first round from ``r`` where ``rank`` has room for ``n`` more bytes (an empty round always has)."""
+        used = self.used[rank]
+        while r < len(used) and used[r] and used[r] + n > self.budget:
+            r += 1
+        return r
 
 
 def travels_on_device(group: dist.ProcessGroup | None) -> bool:
