@@ -118,3 +118,28 @@ def load_over_nccl(rank, world_size, url: str, mib: float) -> bool:
     dcp.load(sd, storage_reader=dcpstore.ObjectStoreReader(url, read_once=nccl))
     torch.cuda.synchronize()
     return sd["step"] == 41 and all(torch.equal(sd[k].cpu(), v) for k, v in full.items())
+
+
+def load_failing_a_delivery(rank, world_size, url: str, mib: float, victim: int) -> str:
+    """Rank ``victim``'s planner fails to take the non-tensor item it received (torch.load raises there): every rank's error."""
+    if rank == victim:
+
+        def refusing_load(*args, **kwargs):
+            raise RuntimeError("the planner refused the item")
+
+        torch.load = refusing_load
+    sd = layout_state("replicated", full_state(mib), world_size, zeros=True)
+    try:
+        dcp.load(sd, storage_reader=dcpstore.ObjectStoreReader(url, read_once=True))
+    except BaseException as e:  # noqa: BLE001 - CheckpointException is a BaseException
+        return str(e)
+    return ""
+
+
+def load_alone_with_read_once(url: str, mib: float) -> tuple[bool, int]:
+    """One process, no process group, ``read_once=True``: bit-exact, and the bytes it asked for."""
+    full = full_state(mib)
+    want, sd = layout_state("replicated", full, 1, zeros=False), layout_state("replicated", full, 1, zeros=True)
+    reader = dcpstore.ObjectStoreReader(url, read_once=True)
+    dcp.load(sd, storage_reader=reader, no_dist=True)
+    return matches(sd, want), reader.bytes_read

@@ -8,7 +8,16 @@ import re
 
 from torch.distributed.checkpoint.planner import LoadPlan
 
-from cooperative_workers import LAYOUTS, load_corrupt, load_layouts, load_losing_a_peer, save_layouts, save_step
+from cooperative_workers import (
+    LAYOUTS,
+    load_alone_with_read_once,
+    load_corrupt,
+    load_failing_a_delivery,
+    load_layouts,
+    load_losing_a_peer,
+    save_layouts,
+    save_step,
+)
 from dist_utils import run_ranks
 
 from dcpstore import cooperative_load
@@ -66,6 +75,19 @@ def test_a_checksum_failure_at_the_owner_fails_every_rank_and_lands_nothing(buck
     for rank, (error, untouched) in results.items():
         assert "checksum mismatch" in error and key.rsplit("/", 1)[1] in error, (rank, error)
         assert untouched, f"rank {rank}: a destination was written"
+
+
+def test_a_delivery_that_fails_on_one_rank_fails_the_load_on_every_rank_and_hangs_none(bucket, s3):
+    """A failure after the bytes moved (here the planner refusing an item on rank 2) is reported at the next agreement."""
+    root = f"s3://{bucket}/refused"
+    run_ranks(save_layouts, 4, root, 1, ("replicated",))
+    errors = run_ranks(load_failing_a_delivery, 4, f"{root}/replicated", 1, 2, collective_timeout=30)
+    assert "the planner refused the item" in errors[2]
+    for rank in (0, 1, 3):
+        assert "rank 2 failed in round" in errors[rank] and "the planner refused the item" in errors[rank], (rank, errors[rank])
+    # Without a process group the option changes nothing: one rank reads every stored byte once, as always.
+    ok, read = load_alone_with_read_once(f"{root}/replicated", 1)
+    assert ok and read == shard_bytes_stored(s3, bucket, "refused/replicated")
 
 
 def test_a_peer_killed_mid_broadcast_fails_the_load_on_every_rank(bucket):
