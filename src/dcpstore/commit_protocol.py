@@ -146,6 +146,8 @@ class CommitProtocol:
             verdict, settled = self._commit_full(job, metadata, results)
         if verdict is None:
             self.parent = job.step
+            if writer.incremental is not None:
+                writer.incremental.committed()  # this save's items are what the next one may copy
             return
         if settled:
             results = None  # storage's answer is final, but a rank that settled deletes nothing: gc reclaims

@@ -31,6 +31,8 @@ class SaveStats:
     host_bytes: int = 0  # host memory the staging pool holds, as allocated
     pinned_bytes: int = 0  # of it, pinned
     device_stall_s: float = 0.0  # how long a training stream waited for the device-to-host copies (CUDA events)
+    copied_bytes: int = 0  # incremental: stored bytes the bucket copied from the last commit instead of this rank sending them
+    copy_requests: int = 0  # the UploadPartCopy requests that did it
 
 
 @dataclasses.dataclass

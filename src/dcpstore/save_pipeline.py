@@ -170,6 +170,8 @@ class SavePipeline:
         except Exception as e:  # noqa: BLE001 - reported to the coordinator
             error = e
         job.stats.upload_s = time.perf_counter() - t1
+        if writer.incremental is not None:
+            job.stats.copied_bytes, job.stats.copy_requests = writer.incremental.bytes_copied, writer.incremental.copies
         if job.staged is not None:
             job.stats.device_stall_s = job.staged.stall_s()  # the waits made so far (overlap_copy: the loop's)
 

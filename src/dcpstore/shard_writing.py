@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageWriter
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from .incremental import IncrementalState, ObjectPlan, content_digest
 from .staging import resolve_item
 from .storage import ObjectWriter
 from .tensor_archive import save_tensor
@@ -147,41 +148,80 @@ def write_items(
     items: list[WriteItem],
     planner: SavePlanner,
     transforms: _StorageWriterTransforms,
+    plan: ObjectPlan | None = None,
 ) -> list[ChecksummedWriteResult]:
     """Serialize ``items`` back to back into ``stream``, as torch's FileSystemWriter lays them out.
 
     Each item goes through ``transforms`` (torch's stream extensions, e.g.
     ``ZStandard``) and is recorded with their descriptors, as torch's
     writer records them; the crc32 covers the stored (transformed) bytes.
+    With a ``plan`` (``plan_object``), the items are written in its order,
+    and a run of items unchanged since the last committed save is copied by
+    the server instead, where the stream can (``ObjectWriter.copy_range``).
+    The results are in ``items``' order either way.
     """
-    results = []
     checked = _ChecksummingStream(stream)
-    for item in items:
-        data = resolve_item(planner, item)
-        offset = stream.tell()
-        checked.crc = 0
-        try:
-            transform_to, descriptors = transforms.transform_save_stream(item, checked)
-            if item.type == WriteItemType.BYTE_IO:
-                transform_to.write(data.getbuffer())
-            else:
-                tensor = _cpu_tensor(data)
-                checked.lend(tensor)
-                save_tensor(tensor, transform_to)
-                checked.lend(None)
-            transform_to.close()
-        except Exception:
-            if checked.error is not None:
-                raise checked.error from None
-            raise
-        length = stream.tell() - offset
-        results.append(
-            ChecksummedWriteResult(
-                index=item.index,
-                size_in_bytes=length,
-                storage_data=_StorageInfo(relative_path, offset, length, transform_descriptors=descriptors or None),
-                crc32=checked.crc,
-                bytes_item=item.type == WriteItemType.BYTE_IO,
-            )
-        )
+    if plan is None:
+        return [_write_item(checked, stream, relative_path, item, planner, transforms) for item in items]
+    results: list[ChecksummedWriteResult | None] = [None] * len(items)  # in ``items``' order, whatever the order written
+    for run in plan.runs:
+        at = stream.tell()
+        if stream.copy_range(run.source.source, run.source.offset, run.length, run.source.etag):
+            plan.copied(run)
+            for i, stored in zip(run.items, run.stored):
+                results[i] = ChecksummedWriteResult(
+                    index=items[i].index,
+                    size_in_bytes=stored.length,
+                    storage_data=_StorageInfo(
+                        relative_path, at + stored.offset - run.source.offset, stored.length,
+                        transform_descriptors=stored.descriptors,
+                    ),
+                    crc32=stored.crc32,
+                )
+            continue
+        for i in run.items:
+            results[i] = _write_item(checked, stream, relative_path, items[i], planner, transforms)
+    for i in plan.to_send:
+        results[i] = _write_item(checked, stream, relative_path, items[i], planner, transforms)
     return results
+
+
+def plan_object(items: list[WriteItem], planner: SavePlanner, incremental: IncrementalState) -> ObjectPlan:
+    """Hash each tensor item of one shard object (on the upload thread: the staged copy) and find the runs it may copy."""
+    digests = [
+        None if item.type == WriteItemType.BYTE_IO else content_digest(_cpu_tensor(resolve_item(planner, item)))
+        for item in items
+    ]
+    return incremental.plan([item.index for item in items], digests)
+
+
+def _write_item(
+    checked: _ChecksummingStream, stream: ObjectWriter, relative_path: str, item: WriteItem,
+    planner: SavePlanner, transforms: _StorageWriterTransforms,
+) -> ChecksummedWriteResult:
+    """Serialize one item at the stream's end."""
+    data = resolve_item(planner, item)
+    offset = stream.tell()
+    checked.crc = 0
+    try:
+        transform_to, descriptors = transforms.transform_save_stream(item, checked)
+        if item.type == WriteItemType.BYTE_IO:
+            transform_to.write(data.getbuffer())
+        else:
+            tensor = _cpu_tensor(data)
+            checked.lend(tensor)
+            save_tensor(tensor, transform_to)
+            checked.lend(None)
+        transform_to.close()
+    except Exception:
+        if checked.error is not None:
+            raise checked.error from None
+        raise
+    length = stream.tell() - offset
+    return ChecksummedWriteResult(
+        index=item.index,
+        size_in_bytes=length,
+        storage_data=_StorageInfo(relative_path, offset, length, transform_descriptors=descriptors or None),
+        crc32=checked.crc,
+        bytes_item=item.type == WriteItemType.BYTE_IO,
+    )

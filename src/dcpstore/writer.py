@@ -63,11 +63,12 @@ from torch.futures import Future
 from . import resume_index
 from .commit import Destination, delete_quietly
 from .errors import DcpstoreError
+from .incremental import IncrementalState
 from .layout import generation
 from .staging import StagedItems, StagingPool
 from .metadata_builder import MetadataBuilder
 from .persisted_plans import PersistedPlans, attach_local_plan
-from .shard_writing import ChecksummedWriteResult, caller_streams, on_streams, write_items
+from .shard_writing import ChecksummedWriteResult, caller_streams, on_streams, plan_object, write_items
 from .storage import ObjectStore, StoreOwner, ThrottleClock, TransferConfig, check_keywords, is_store_url
 
 logger = logging.getLogger(__name__)
@@ -181,6 +182,8 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self._free_staging: list[StagingPool] = []  # for dcp.async_save: pools no staged copy holds now
         # Builds .metadata (in full, or patched from the last one) and the resume index; kept across saves.
         self.builder = MetadataBuilder(checksums)
+        # Set by an AsyncCheckpointer(incremental=True), which tells it each commit (see ``incremental``).
+        self.incremental: IncrementalState | None = None
         self.reset(url)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -194,6 +197,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         state["_store"] = state["_executor"] = None
         state["builder"] = MetadataBuilder(self.checksums)  # no template travels: the first save there commits in full
         state["_free_staging"] = []  # host memory stays in this process
+        state["incremental"] = None  # a checkpointer's, in this process
         return state
 
     # -- AsyncStager (dcp.async_save) ---------------------------------------------
@@ -234,6 +238,8 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self.put_deadline: float | None = None
         self._index_key: str | None = None  # the resume index finish() wrote, deleted with the shards if not committed
         self._index_tags: dict[str, str] = {}  # what names that index on the commit (x-amz-meta)
+        if self.incremental is not None:
+            self.incremental.begin()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -285,8 +291,13 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         cuda_streams = {} if isinstance(planner, StagedItems) else caller_streams()
 
         def upload(name: str, items: list[WriteItem]) -> list[ChecksummedWriteResult]:
-            with on_streams(cuda_streams), self.store.open_writer(name) as stream:
-                return write_items(stream, name, items, planner, self.transforms)
+            with on_streams(cuda_streams):
+                plan = plan_object(items, planner, self.incremental) if self.incremental is not None else None
+                with self.store.open_writer(name) as stream:
+                    results = write_items(stream, name, items, planner, self.transforms, plan)
+            if plan is not None:
+                self.incremental.wrote(self.store.location(name), stream.etag, results, plan)
+            return results
 
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(

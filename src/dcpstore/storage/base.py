@@ -117,6 +117,10 @@ class ObjectStore:
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if key else self.root
 
+    def location(self, key: str) -> str:
+        """Where ``key`` lies on the server, as another store on the same connection names it (``ObjectWriter.copy_range``'s source)."""
+        return self._path(key)
+
     def child(self, prefix: str) -> "ObjectStore":
         """A store rooted at ``prefix`` below this one, on the same connection (with a lease of its own)."""
         if not self._lease.alive or not self._connection.lease():
@@ -404,6 +408,9 @@ def refuse_unless_condition_holds(url: str, current: str | None, if_none_match: 
 class ObjectWriter:
     """A write-only, append-only object stream (what ``torch.save`` writes into)."""
 
+    #: The finished object's ETag, where the store reports one (set by ``close``).
+    etag: str | None = None
+
     def write(self, data) -> int:
         raise NotImplementedError
 
@@ -418,6 +425,17 @@ class ObjectWriter:
 
     def tell(self) -> int:
         raise NotImplementedError
+
+    def copy_range(self, source: str, start: int, length: int, etag: str) -> bool:
+        """Append bytes ``[start, start + length)`` of the object at ``source`` (``ObjectStore.location``) without sending them; whether it did.
+
+        The server copies them, if the source still is the object tagged
+        ``etag``.  ``False`` (nothing appended) when it cannot: this store
+        has no server-side copy (the default), the range cannot form whole
+        parts here, the source is gone or changed, or the copy failed after
+        its retries.  The caller then writes the bytes itself.
+        """
+        return False
 
     def close(self) -> None:
         """Finish the upload; the object exists once this returns."""

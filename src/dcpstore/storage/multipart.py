@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..errors import ObjectNotFoundError
 from .base import ObjectWriter, Tries
 from .body import Segments
+from .config import MiB
 
 if TYPE_CHECKING:
     import mmap
@@ -34,6 +35,10 @@ if TYPE_CHECKING:
     from .connection import PartBufferPool
 
 logger = logging.getLogger(__name__)
+
+#: S3's smallest part but the last, and its largest copied part (UploadPartCopy).
+MIN_PART_SIZE = 5 * MiB
+MAX_COPY_PART_SIZE = 5 * 1024 * MiB
 
 
 class PartStore(Protocol):
@@ -91,6 +96,7 @@ class MultipartObjectWriter(ObjectWriter):
         self._upload_id: str | None = None
         self._parts: list[concurrent.futures.Future] = []
         self._closed = False
+        self._sources: dict[str, bool] = {}  # copy sources looked at: whether each still is the object its ETag names
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -130,6 +136,60 @@ class MultipartObjectWriter(ObjectWriter):
 
     def tell(self) -> int:
         return self._pos
+
+    def copy_range(self, source: str, start: int, length: int, etag: str) -> bool:
+        """Append a range of ``source`` as one part the server copies (``UploadPartCopy``); see ``ObjectWriter.copy_range``.
+
+        Every part but the last must hold 5 MiB, and a copied one at most
+        5 GiB, so a range outside those bounds is refused, and so is any
+        range while the part being filled holds some bytes but fewer than
+        5 MiB: the caller writes more first.  The source is checked by one
+        HEAD per source and writer (size and ETag; S3 also enforces
+        ``CopySourceIfMatch``, which moto and Ceph RGW 16.2 ignore).  The
+        copy is made on the caller's thread, retried as any request, so a
+        refused or failed one leaves the object as it was.
+        """
+        if not MIN_PART_SIZE <= length <= MAX_COPY_PART_SIZE or 0 < self._pending < MIN_PART_SIZE:
+            return False
+        if not self._source_holds(source, start + length, etag):
+            return False
+        if self._pending:
+            self._flush_part()
+        if self._upload_id is None:
+            self._upload_id = self._store._run(self._create_upload())
+        source_bucket, _, source_key = source.partition("/")
+        span = f"bytes={start}-{start + length - 1}"
+        try:
+            resp = self._store._run(
+                self._store._call(
+                    "COPY-PART", self._key, "upload_part_copy",
+                    Bucket=self._bucket, Key=self._path, UploadId=self._upload_id, PartNumber=len(self._parts) + 1,
+                    CopySource={"Bucket": source_bucket, "Key": source_key}, CopySourceRange=span, CopySourceIfMatch=etag,
+                )
+            )
+        except Exception as e:  # noqa: BLE001 - the caller sends the bytes instead
+            logger.warning("%s: could not copy %s of %s (%s); sending the bytes", self._store.url_for(self._key), span, source, e)
+            self._sources[source] = False
+            return False
+        copied: concurrent.futures.Future = concurrent.futures.Future()
+        copied.set_result({"ETag": resp["CopyPartResult"]["ETag"]})
+        self._parts.append(copied)
+        self._pos += length
+        return True
+
+    def _source_holds(self, source: str, end: int, etag: str) -> bool:
+        """Whether ``source`` still is the object tagged ``etag``, and holds ``end`` bytes (one HEAD per source)."""
+        if source not in self._sources:
+            bucket, _, key = source.partition("/")
+            try:
+                head = self._store._run(self._store._call("HEAD", self._key, "head_object", Bucket=bucket, Key=key))
+                self._sources[source] = head.get("ETag") == etag and int(head["ContentLength"]) >= end
+                if not self._sources[source]:
+                    logger.warning("%s: %s changed since it was written (ETag %s, expected %s); sending the bytes", self._store.url_for(self._key), source, head.get("ETag"), etag)
+            except Exception as e:  # noqa: BLE001 - gone (pruned), or unreadable: the bytes are sent
+                logger.info("%s: cannot copy from %s (%s); sending the bytes", self._store.url_for(self._key), source, e)
+                self._sources[source] = False
+        return self._sources[source]
 
     def _seal(self) -> None:
         """Make the bytes copied into the part buffer since the last piece a piece of their own."""
@@ -235,7 +295,7 @@ class MultipartObjectWriter(ObjectWriter):
         """
         store, tries = self._store, Tries()
         try:
-            await store._call(
+            resp = await store._call(
                 "COMPLETE-MPU",
                 self._key,
                 "complete_multipart_upload",
@@ -245,11 +305,13 @@ class MultipartObjectWriter(ObjectWriter):
                 UploadId=self._upload_id,
                 MultipartUpload={"Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]},
             )
+            self.etag = resp.get("ETag")
         except ObjectNotFoundError:
             if tries.count > 1:
                 head = await store._call("HEAD", self._key, "head_object", Bucket=self._bucket, Key=self._path)
                 if int(head["ContentLength"]) == self._pos:
                     self._upload_id = None  # completed: nothing to abort
+                    self.etag = head.get("ETag")
                     return
             raise
 

@@ -39,7 +39,7 @@ _CHANGES_LISTINGS = frozenset({"put_object", "complete_multipart_upload", "delet
 # Requests S3 counts against a key range's write rate; the rest are reads.
 _WRITES = frozenset(
     {
-        "put_object", "upload_part", "create_multipart_upload", "complete_multipart_upload",
+        "put_object", "upload_part", "upload_part_copy", "create_multipart_upload", "complete_multipart_upload",
         "abort_multipart_upload", "delete_objects",
     }
 )

@@ -1,0 +1,149 @@
+"""Incremental saves: what did not change since the last commit is copied by the bucket, not sent again (issue 44).
+
+Bytes sent are counted at an HTTP proxy in front of the server (the bodies
+of PUTs: single objects and parts); the bucket's copies (``UploadPartCopy``,
+a PUT with ``x-amz-copy-source`` and no body) are counted apart.  Every step
+is loaded back with torch's own ``FsspecReader``: each one is whole.
+"""
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+import dcpstore
+from dcpstore.storage import TransferConfig
+from dcpstore.storage.config import MiB
+from dist_utils import run_ranks
+from workers import checkpointer_incremental_saves
+
+TENSORS, TENSOR_MIB = 16, 2  # 32 MiB: 16 tensors, 4 to a shard object
+TRANSFER = TransferConfig(part_size=5 * MiB)  # S3's smallest part, so these small objects go up in parts
+
+
+def state(step: int, changed: int) -> dict:
+    """``TENSORS`` tensors; the first ``changed`` of them are trained (their values depend on ``step``), the rest frozen."""
+    out = {}
+    for i in range(TENSORS):
+        g = torch.Generator().manual_seed(i + 1000 * step * (i < changed))
+        out[f"layer{i:02d}.weight"] = torch.randn(TENSOR_MIB * MiB // 4, generator=g)
+    out["step"] = step
+    return out
+
+
+def sent_and_copied(proxy) -> tuple[int, int]:
+    """Bytes of PUT bodies that went through ``proxy``, and the copy requests it saw."""
+    sent = copies = 0
+    for method, _path, headers in proxy.headers:
+        if method == "PUT" and "x-amz-copy-source" in headers:
+            copies += 1
+        elif method == "PUT":
+            sent += int(headers.get("content-length", 0))
+    return sent, copies
+
+
+def load_with_torch(url: str, like: dict) -> dict:
+    out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in like.items()}
+    dcp.load(out, storage_reader=FsspecReader(url), no_dist=True)
+    return out
+
+
+def assert_bit_exact(got: dict, want: dict) -> None:
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+@pytest.mark.also_rgw
+def test_a_second_save_sends_only_what_changed_and_every_step_stays_whole(bucket, proxy):
+    root = f"s3://{bucket}/run"
+    total = TENSORS * TENSOR_MIB * MiB
+    with dcpstore.AsyncCheckpointer(
+        root, storage_options={"endpoint_url": proxy.endpoint}, keep_last=1, transfer=TRANSFER, incremental=True
+    ) as ckpt:
+        ckpt.save(state(1, 2), step=1)
+        ckpt.wait()
+        first_sent, first_copies = sent_and_copied(proxy)
+        assert first_copies == 0 and first_sent >= total  # nothing committed yet: all of it is sent
+
+        proxy.clear()
+        ckpt.save(state(2, 2), step=2)  # 2 of 16 tensors changed (12.5 %)
+        ckpt.wait()
+        sent, copies = sent_and_copied(proxy)
+        assert ckpt.last_stats.copied_bytes >= 13 * TENSOR_MIB * MiB
+        assert sent <= 0.20 * total, f"sent {sent / total:.2f}x the state"
+        assert 1 <= copies == ckpt.last_stats.copy_requests <= 4  # one run per shard object
+
+        proxy.clear()
+        ckpt.save(state(3, 2), step=3)  # copies from step 2, whose own bytes were partly copied from step 1
+        ckpt.wait()
+        assert sent_and_copied(proxy)[0] <= 0.20 * total
+        assert ckpt.last_stats.metadata_patched  # laid out as step 2 was: the commit patches its .metadata
+        assert ckpt.committed_steps() == [3]  # keep_last=1 pruned the steps the copies came from
+
+    # Whole steps: torch's reader loads step 3 bit-exact with steps 1 and 2 gone.
+    assert_bit_exact(load_with_torch(f"{root}/step_00000003", state(3, 2)), state(3, 2))
+
+
+def test_nothing_changed_sends_almost_nothing_and_all_changed_sends_all(bucket, proxy):
+    root = f"s3://{bucket}/run"
+    total = TENSORS * TENSOR_MIB * MiB
+    with dcpstore.AsyncCheckpointer(
+        root, storage_options={"endpoint_url": proxy.endpoint}, transfer=TRANSFER, incremental=True
+    ) as ckpt:
+        ckpt.save(state(1, 0), step=1)
+        ckpt.wait()
+        proxy.clear()
+        ckpt.save(state(1, 0), step=2)
+        ckpt.wait()
+        assert sent_and_copied(proxy)[0] <= 0.01 * total
+        proxy.clear()
+        ckpt.save(state(3, TENSORS), step=3)
+        ckpt.wait()
+        sent, copies = sent_and_copied(proxy)
+        assert copies == 0 and sent >= total
+    for step, sd in ((1, state(1, 0)), (2, state(1, 0)), (3, state(3, TENSORS))):
+        assert_bit_exact(load_with_torch(f"{root}/step_{step:08d}", sd), sd)
+
+
+def test_off_by_default_and_on_a_filesystem_every_save_sends_everything(tmp_path):
+    root = f"file://{tmp_path}/run"
+    with dcpstore.AsyncCheckpointer(root, incremental=True) as ckpt:
+        for step in (1, 2):
+            ckpt.save(state(1, 0), step=step)
+            ckpt.wait()
+            assert ckpt.last_stats.copied_bytes == 0
+    assert_bit_exact(load_with_torch(f"{root}/step_00000002", state(1, 0)), state(1, 0))
+
+
+@pytest.mark.also_rgw
+def test_when_the_last_step_is_gone_changed_or_a_copy_fails_the_bytes_are_sent(bucket, proxy, s3):
+    """Of step 1's four objects: one deleted (another run's gc), one rewritten (its ETag changed), one whose copy fails every attempt."""
+    root = f"s3://{bucket}/run"
+    with dcpstore.AsyncCheckpointer(
+        root, storage_options={"endpoint_url": proxy.endpoint}, transfer=TRANSFER, incremental=True
+    ) as ckpt:
+        ckpt.save(state(1, 2), step=1)
+        ckpt.wait()
+        keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="run/step_00000001/")["Contents"] if o["Key"].endswith(".distcp"))
+        assert len(keys) == 4
+        s3.delete_object(Bucket=bucket, Key=keys[0])
+        body = s3.get_object(Bucket=bucket, Key=keys[1])["Body"].read()
+        s3.put_object(Bucket=bucket, Key=keys[1], Body=body[::-1])
+        failing = proxy.add("PUT", r"step_00000002/__0_\w+_2\.distcp\?.*partNumber=1(&|$)", status=500, code="InternalError", times=TRANSFER.retry.max_attempts)
+        ckpt.save(state(2, 2), step=2)
+        ckpt.wait()
+        assert failing.hits == TRANSFER.retry.max_attempts  # the copy was retried, then its bytes were sent
+        assert ckpt.last_stats.copy_requests == 1  # only the fourth object was copied
+    assert_bit_exact(load_with_torch(f"{root}/step_00000002", state(2, 2)), state(2, 2))
+
+
+def test_ranks_of_a_gloo_group_copy_their_own_shards_and_a_restarted_job_sends_everything(bucket):
+    root = f"s3://{bucket}/run"
+    copied = run_ranks(checkpointer_incremental_saves, 2, root)
+    for rank in (0, 1):
+        first, second, after_restart = copied[rank]
+        assert first == 0 and after_restart == 0
+        assert second >= 6 * MiB  # the frozen shard (8 MiB a rank); the trained one is sent
