@@ -536,36 +536,69 @@ def checkpointer_patched_saves(rank, world_size, root, items, steps, wider_from,
     return out
 
 
+def _incremental_state(mesh, step):
+    """A frozen weight (8 MiB a rank) and a trained one (256 KiB a rank, its value the step), sharded (Shard(0)), and the step."""
+    world_size = mesh.size()
+    frozen = torch.randn(2 * world_size * 1024, 1024, generator=torch.Generator().manual_seed(7))
+    return {
+        "frozen": distribute_tensor(frozen, mesh, [Shard(0)]),
+        "trained": distribute_tensor(torch.full((world_size * 64, 1024), float(step)), mesh, [Shard(0)]),
+        "step": step,
+    }
+
+
+def _incremental_checkpointer(root, **kwargs):
+    return dcpstore.AsyncCheckpointer(root, transfer=dcpstore.TransferConfig(part_size=5 << 20), incremental=True, **kwargs)
+
+
+def _resume_and_save(mesh, root, resumed_step, step):
+    """A restarted job: load the latest step (it must be ``resumed_step``, bit-exact), save ``step``; the bytes it copied."""
+    with _incremental_checkpointer(root) as ckpt:
+        loaded = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in _incremental_state(mesh, 0).items()}
+        assert ckpt.load(loaded) == resumed_step
+        want = _incremental_state(mesh, resumed_step)
+        for key in ("frozen", "trained"):
+            assert torch.equal(loaded[key].to_local(), want[key].to_local()), key
+        ckpt.save(_incremental_state(mesh, step), step=step)
+        ckpt.wait()
+        copied = ckpt.last_stats.copied_bytes
+    got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in _incremental_state(mesh, 0).items()}
+    dcp.load(got, storage_reader=FsspecReader(f"{root}/step_{step:08d}"))  # torch's reader: the step is whole
+    for key in ("frozen", "trained"):
+        assert torch.equal(got[key].to_local(), _incremental_state(mesh, step)[key].to_local()), key
+    return copied
+
+
 def checkpointer_incremental_saves(rank, world_size, root):
-    """Incremental saves of a frozen and a trained weight, sharded (Shard(0)); then a restart: bytes copied by each save, each step loaded bit-exact."""
+    """Incremental saves of steps 1 and 2, then a restart that saves step 3: the bytes each save copied."""
     mesh = init_device_mesh("cpu", (world_size,))
-
-    def state(step):
-        frozen = torch.randn(world_size * 1024, 1024, generator=torch.Generator().manual_seed(7))  # 4 MiB a rank... x2 below
-        return {
-            "frozen": distribute_tensor(torch.cat([frozen, frozen]), mesh, [Shard(0)]),
-            "trained": distribute_tensor(torch.full((world_size * 64, 1024), float(step)), mesh, [Shard(0)]),
-            "step": step,
-        }
-
-    transfer = dcpstore.TransferConfig(part_size=5 << 20)
     copied = []
-    with dcpstore.AsyncCheckpointer(root, transfer=transfer, incremental=True) as ckpt:
+    with _incremental_checkpointer(root) as ckpt:
         for step in (1, 2):
-            ckpt.save(state(step), step=step)
+            ckpt.save(_incremental_state(mesh, step), step=step)
             ckpt.wait()
             copied.append(ckpt.last_stats.copied_bytes)
-    with dcpstore.AsyncCheckpointer(root, transfer=transfer, incremental=True) as ckpt:  # a restarted job
-        loaded = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state(0).items()}
-        assert ckpt.load(loaded) == 2
-        for key in ("frozen", "trained"):
-            assert torch.equal(loaded[key].to_local(), state(2)[key].to_local()), key
-        ckpt.save(state(3), step=3)
-        ckpt.wait()
-        copied.append(ckpt.last_stats.copied_bytes)
-    for step in (2, 3):
-        got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state(0).items()}
-        dcp.load(got, storage_reader=FsspecReader(f"{root}/step_{step:08d}"))
-        assert torch.equal(got["frozen"].to_local(), state(step)["frozen"].to_local())
-        assert torch.equal(got["trained"].to_local(), state(step)["trained"].to_local())
-    return copied
+    return [*copied, _resume_and_save(mesh, root, 2, 3)]
+
+
+def checkpointer_incremental_killed(rank, world_size, root, proxy_endpoint):
+    """Step 1 commits; during step 2's (slowed) incremental upload, rank 1 is SIGKILLed."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    ckpt = _incremental_checkpointer(
+        root, storage_options={"endpoint_url": proxy_endpoint}, collective_timeout=datetime.timedelta(seconds=30)
+    )
+    ckpt.save(_incremental_state(mesh, 1), step=1)
+    ckpt.wait()
+    ckpt.save(_incremental_state(mesh, 2), step=2)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        ckpt.wait(timeout=60)
+    except dcpstore.CheckpointSaveError as e:
+        return str(e)
+    return None
+
+
+def checkpointer_incremental_resume(rank, world_size, root):
+    """A job restarted after ``checkpointer_incremental_killed``: resumes step 1 and saves step 3; the bytes it copied."""
+    return _resume_and_save(init_device_mesh("cpu", (world_size,)), root, 1, 3)

@@ -162,11 +162,12 @@ class AsyncCheckpointer:
         incremental: a save does not send again the tensor items whose bytes
             did not change since this checkpointer's last committed save:
             on S3 the bucket copies them from that step into the new one
-            (see ``incremental``), so every step stays whole.  Off by
-            default: each save then hashes every tensor byte (0.03 CPU
-            s/GiB) for a gain only where much of the state is frozen, and
-            a save after a restart sends everything (the hashes are not
-            yet kept in the checkpoint).
+            (see ``incremental``), so every step stays whole.  After a
+            restart, ``load`` hashes what it reads, and the first save
+            copies what did not change since.  Off by default: each save
+            and load then hashes every tensor byte (0.03 CPU s/GiB) and
+            looks at each object it copies from (a HEAD), for a gain only
+            where much of the state does not change between saves.
     """
 
     def __init__(

@@ -23,13 +23,17 @@ verify --deep`` checks it like any other item.
 
 The base is only ever a commit: what a save writes becomes the base when
 every rank learned that its commit succeeded (``committed``), never a save
-that failed or whose outcome is unknown.  If the base's object is gone (a
+that failed or whose outcome is unknown.  After a restart, the step the job
+loads is the base (``loaded``): the reader hashes each stored tensor it
+parses, once its crc32 is checked, so the hash is of exactly what that step
+stores, whatever the job's ``load_state_dict`` did with the values since;
+nothing is added to the checkpoint for it.  If the base's object is gone (a
 gc, another run's retention) or changed (its ETag), or a copy fails after
 its retries, the bytes are sent.  A copy must form whole parts of at least
 5 MiB, so shorter runs, and runs behind fewer than 5 MiB of sent bytes in
 the part being filled, are sent too; so are a store without server-side
-copies (``file://``, ``memory://``) and the first save of a job (nothing
-committed by this checkpointer yet).
+copies (``file://``, ``memory://``) and a job's first save unless it
+loaded a step.
 """
 
 from __future__ import annotations
@@ -44,9 +48,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 
 def content_digest(tensor: torch.Tensor) -> bytes | None:
-    """A 128-bit hash of a contiguous CPU tensor's dtype, shape and bytes; ``None`` where its bytes have no plain view (quantized)."""
+    """A 128-bit hash of a tensor's dtype, shape and bytes (contiguous, on the CPU); ``None`` where they have no plain view (quantized)."""
     try:
-        raw = tensor.reshape(-1).view(torch.uint8).numpy()
+        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     except (RuntimeError, TypeError):
         return None
     digest = xxhash.xxh3_128(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
@@ -60,7 +64,7 @@ class StoredItem:
 
     digest: bytes
     source: str  # the shard object, as ``ObjectStore.location`` names it
-    etag: str  # that object's, when it was written
+    etag: str | None  # that object's when it was written; None: not known (taken from the first HEAD, see ``loaded``)
     offset: int
     length: int
     crc32: int
@@ -169,6 +173,27 @@ class IncrementalState:
         }
         with self._lock:
             self._written.update(items)
+
+    def loaded(self, digests: dict[MetadataIndex, bytes], storage_data: dict, checksums: dict[MetadataIndex, int], location) -> None:
+        """After a load of a committed step (a restart): its items this rank read become the base of the next save.
+
+        ``digests``: the hash of each stored tensor as the reader parsed
+        it, after its crc32 was checked (``ObjectStoreReader.stored_digests``),
+        so a tensor the next save stages unchanged is known to be exactly
+        what that step stores, whatever the state dict did with it since.
+        ``location``: a shard's relative path to ``ObjectStore.location``.
+        The ETags the objects had when written are not known here: the
+        first copy from each object takes the one its HEAD reports.
+        """
+        base = {}
+        for index, digest in digests.items():
+            info, crc32 = storage_data.get(index), checksums.get(index)
+            if info is not None and crc32 is not None:
+                base[index] = StoredItem(
+                    digest, location(info.relative_path), None, info.offset, info.length, crc32, info.transform_descriptors
+                )
+        with self._lock:
+            self._base, self._written = base, {}
 
     def committed(self) -> None:
         """The current save committed: what it wrote is the base of the next save."""

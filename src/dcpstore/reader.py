@@ -51,6 +51,7 @@ from torch.futures import Future
 
 from . import cooperative_load, planner_data, resume_index, resume_share
 from .errors import CorruptCheckpointError, ObjectNotFoundError, StateDictMismatchError
+from .incremental import content_digest
 from .layout import METADATA_KEY
 from .safe_pickle import check_bytes_item
 from .metadata_reading import check_storage_data, parse_metadata, read_metadata_bytes
@@ -152,6 +153,9 @@ class ObjectStoreReader(StorageReader, StoreOwner):
         self.allow_globals = list(allow_globals)
         self.allow_unsafe_pickle = allow_unsafe_pickle
         self.read_once = read_once
+        #: When a dict (an ``AsyncCheckpointer(incremental=True)`` resuming): each stored tensor this reader
+        #: parsed or landed, checked, gets its ``incremental.content_digest`` here, by storage index.
+        self.stored_digests: dict[MetadataIndex, bytes] | None = None
         self._store: ObjectStore | None = None
         self.reset(url)
 
@@ -418,6 +422,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
             landing = self._checked(reqs[0].storage_index, info, landing, reqs[0].dest_index.fqn)
         raw = landing.leftover()
         if raw is None:  # the data landed in the destination, as torch.load would read it
+            self._note_stored(reqs[0].storage_index, landing.target)
             planner.commit_tensor(reqs[0], landing.target)
             return
         raw = undo_transforms(raw, info, self.transforms, where)
@@ -427,7 +432,16 @@ class ObjectStoreReader(StorageReader, StoreOwner):
             for req in reqs:
                 planner.load_bytes(req, io.BytesIO(raw))
             return
-        land_tensor(parse_tensor(raw, where), reqs, targets, planner, copy, where)
+        stored = parse_tensor(raw, where)
+        self._note_stored(reqs[0].storage_index, stored)
+        land_tensor(stored, reqs, targets, planner, copy, where)
+
+    def _note_stored(self, index: MetadataIndex, stored: torch.Tensor) -> None:
+        """``stored_digests``: ``stored`` is the whole stored tensor at ``index``, its bytes checked."""
+        if self.stored_digests is not None:
+            digest = content_digest(stored)
+            if digest is not None:
+                self.stored_digests[index] = digest
 
     @property
     def checkpoint_id(self) -> str:
@@ -572,6 +586,7 @@ class _SharedItems:
         target = self.in_place.pop(item, None)
         if target is not None:
             self.claims.release([target])
+            self.reader._note_stored(self.index(item)[0], target)
             self.planner.commit_tensor(self.entries(item)[0][1][0], target)
             return
         targets = self.targets.pop(item, None)
@@ -580,6 +595,8 @@ class _SharedItems:
         if shape is not None and stored is None:  # received as values
             stored = cooperative_load._wire(self.views[item]).view(shape[0]).view(shape[1])
         view = self.views.pop(item, None)
+        if stored is not None:
+            self.reader._note_stored(self.index(item)[0], stored)
         for n, (info, reqs) in enumerate(self.entries(item)):
             where = self.reader._where(info, reqs[0].storage_index)
             if stored is not None:

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils._pytree import tree_leaves
 
-from . import resume_index, resume_share
+from . import planner_data, resume_index, resume_share
 from .collectives import Collectives, describe
 from .errors import CheckpointLoadError, CheckpointNotFoundError, DcpstoreError, ObjectNotFoundError
 from .layout import METADATA_KEY, StepNaming
@@ -111,6 +111,8 @@ class Resume:
             flat_sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
             if self.read_once and self.coll.enabled:
                 reader.read_once = self._read_once_group(flat_sd)
+            if self.writer.incremental is not None:
+                reader.stored_digests = {}  # the next save copies what this load finds unchanged (see incremental)
             if entry is not None:
                 share = self._read_share(reader, entry, flat_sd, url)
             if entry is not None and self.coll.all_min([int(share is not None)])[0]:
@@ -140,6 +142,12 @@ class Resume:
         finally:
             if reader is not None:
                 reader.close()
+        if self.writer.incremental is not None:
+            prefix = self.naming.prefix(step)
+            self.writer.incremental.loaded(
+                reader.stored_digests, metadata.storage_data, planner_data.read_checksums(metadata),
+                lambda path: self.store.location(f"{prefix}/{path}"),
+            )
         if share is not None:
             if share.template_of is not None:
                 self.writer.builder.remember_written_share(share.template_of, share.written)

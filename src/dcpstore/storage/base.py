@@ -426,11 +426,11 @@ class ObjectWriter:
     def tell(self) -> int:
         raise NotImplementedError
 
-    def copy_range(self, source: str, start: int, length: int, etag: str) -> bool:
+    def copy_range(self, source: str, start: int, length: int, etag: str | None) -> bool:
         """Append bytes ``[start, start + length)`` of the object at ``source`` (``ObjectStore.location``) without sending them; whether it did.
 
         The server copies them, if the source still is the object tagged
-        ``etag``.  ``False`` (nothing appended) when it cannot: this store
+        ``etag`` (``None``: whatever it is now).  ``False`` (nothing appended) when it cannot: this store
         has no server-side copy (the default), the range cannot form whole
         parts here, the source is gone or changed, or the copy failed after
         its retries.  The caller then writes the bytes itself.

@@ -96,7 +96,7 @@ class MultipartObjectWriter(ObjectWriter):
         self._upload_id: str | None = None
         self._parts: list[concurrent.futures.Future] = []
         self._closed = False
-        self._sources: dict[str, bool] = {}  # copy sources looked at: whether each still is the object its ETag names
+        self._sources: dict[str, str | None] = {}  # copy sources looked at: the ETag to copy each under, None if it cannot be
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -137,7 +137,7 @@ class MultipartObjectWriter(ObjectWriter):
     def tell(self) -> int:
         return self._pos
 
-    def copy_range(self, source: str, start: int, length: int, etag: str) -> bool:
+    def copy_range(self, source: str, start: int, length: int, etag: str | None) -> bool:
         """Append a range of ``source`` as one part the server copies (``UploadPartCopy``); see ``ObjectWriter.copy_range``.
 
         Every part but the last must hold 5 MiB, and a copied one at most
@@ -151,7 +151,8 @@ class MultipartObjectWriter(ObjectWriter):
         """
         if not MIN_PART_SIZE <= length <= MAX_COPY_PART_SIZE or 0 < self._pending < MIN_PART_SIZE:
             return False
-        if not self._source_holds(source, start + length, etag):
+        etag = self._source_etag(source, start + length, etag)
+        if etag is None:
             return False
         if self._pending:
             self._flush_part()
@@ -169,7 +170,7 @@ class MultipartObjectWriter(ObjectWriter):
             )
         except Exception as e:  # noqa: BLE001 - the caller sends the bytes instead
             logger.warning("%s: could not copy %s of %s (%s); sending the bytes", self._store.url_for(self._key), span, source, e)
-            self._sources[source] = False
+            self._sources[source] = None
             return False
         copied: concurrent.futures.Future = concurrent.futures.Future()
         copied.set_result({"ETag": resp["CopyPartResult"]["ETag"]})
@@ -177,18 +178,28 @@ class MultipartObjectWriter(ObjectWriter):
         self._pos += length
         return True
 
-    def _source_holds(self, source: str, end: int, etag: str) -> bool:
-        """Whether ``source`` still is the object tagged ``etag``, and holds ``end`` bytes (one HEAD per source)."""
+    def _source_etag(self, source: str, end: int, etag: str | None) -> str | None:
+        """The ETag to copy ``source`` under: ``etag`` (or, if ``None``, the current one) if it holds ``end`` bytes; ``None`` if it cannot be copied from.
+
+        One HEAD per source: it is gone (pruned), changed since it was
+        written, shorter, or unreadable, and the bytes are sent.
+        """
         if source not in self._sources:
             bucket, _, key = source.partition("/")
             try:
                 head = self._store._run(self._store._call("HEAD", self._key, "head_object", Bucket=bucket, Key=key))
-                self._sources[source] = head.get("ETag") == etag and int(head["ContentLength"]) >= end
-                if not self._sources[source]:
-                    logger.warning("%s: %s changed since it was written (ETag %s, expected %s); sending the bytes", self._store.url_for(self._key), source, head.get("ETag"), etag)
-            except Exception as e:  # noqa: BLE001 - gone (pruned), or unreadable: the bytes are sent
+            except Exception as e:  # noqa: BLE001 - the bytes are sent
                 logger.info("%s: cannot copy from %s (%s); sending the bytes", self._store.url_for(self._key), source, e)
-                self._sources[source] = False
+                self._sources[source] = None
+            else:
+                current, size = head.get("ETag"), int(head["ContentLength"])
+                usable = current is not None and (etag is None or current == etag) and size >= end
+                if not usable:
+                    logger.warning(
+                        "%s: %s is not the object written (ETag %s, %d bytes; expected %s, at least %d); sending the bytes",
+                        self._store.url_for(self._key), source, current, size, etag, end,
+                    )
+                self._sources[source] = current if usable else None
         return self._sources[source]
 
     def _seal(self) -> None:
