@@ -158,11 +158,9 @@ class IncrementalState:
     def wrote(self, source: str, etag: str | None, results: Sequence, plan: ObjectPlan) -> None:
         """A finished shard object (``source``, ``etag``), its write results (``shard_writing.ChecksummedWriteResult``) in ``plan``'s order.
 
-        An object without an ETag (a store that reports none) cannot be
-        checked before a copy, so its items are not copied from.
+        ``etag`` is ``None`` for an object sent as one PUT (smaller than a
+        part): a copy from it then takes the ETag its first HEAD reports.
         """
-        if etag is None:
-            return
         items = {
             r.index: StoredItem(
                 digest, source, etag, r.storage_data.offset, r.storage_data.length, r.crc32,
