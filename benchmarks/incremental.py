@@ -2,9 +2,12 @@
 
     python -m benchmarks.incremental                          # 256 MiB: 16 tensors of 16 MiB, 3 rounds
     python -m benchmarks.incremental --size-mib 64 --rounds 1 # quick
+    eval "$(bash scripts/ceph_rgw.sh env)" && python -m benchmarks.incremental --endpoint "$AWS_ENDPOINT_URL"  # a real server
 
 One process (a lone rank) saves through ``AsyncCheckpointer`` to a moto
-server on loopback: a first save (not measured), then the measured second
+server on loopback (``--endpoint URL``: an external S3 server, such as the
+Ceph RGW of scripts/ceph_rgw.sh, whose CPU is then not measured): a first
+save (not measured), then the measured second
 save, in which the first ``k`` of the 16 tensors changed (k = 0, 2, 16).
 Each case runs with ``incremental`` off (a full save) and on, interleaved,
 each round into a fresh root; medians of ``--rounds``.  Per second save:
@@ -50,7 +53,7 @@ def state(size_mib: float, changed: int, step: int) -> dict:
     return out
 
 
-def second_save(root: str, size_mib: float, changed: int, incremental: bool, counter: RequestCounter, server: psutil.Process) -> dict:
+def second_save(root: str, size_mib: float, changed: int, incremental: bool, counter: RequestCounter, server: psutil.Process | None) -> dict:
     import dcpstore
     from dcpstore.storage import open_store
 
@@ -58,17 +61,18 @@ def second_save(root: str, size_mib: float, changed: int, incremental: bool, cou
     with dcpstore.AsyncCheckpointer(root, incremental=incremental) as ckpt:
         ckpt.save(first, step=1)
         ckpt.wait()
-        requests, cpu, server_cpu = counter.count, time.process_time(), sum(server.cpu_times()[:2])
+        requests, cpu, server_cpu = counter.count, time.process_time(), server_seconds(server)
         t0 = time.perf_counter()
         ckpt.save(second, step=2)
         ckpt.wait()
         wall = time.perf_counter() - t0
-        cpu, server_cpu = time.process_time() - cpu, sum(server.cpu_times()[:2]) - server_cpu
+        cpu, server_cpu = time.process_time() - cpu, server_seconds(server) - server_cpu
         requests = counter.count - requests
         stats = ckpt.last_stats
-    store = open_store(f"{root}/step_00000002")
+    store = open_store(root)
     try:
-        stored = sum(o.size for o in store.list("") if o.key.endswith(".distcp"))
+        stored = sum(o.size for o in store.list("step_00000002/") if o.key.endswith(".distcp"))
+        store.delete([o.key for o in store.list("")])  # a server's disk holds a few rounds, not all of them
     finally:
         store.close()
     return {
@@ -80,6 +84,11 @@ def second_save(root: str, size_mib: float, changed: int, incremental: bool, cou
         "server_cpu_s": server_cpu,
         "requests": requests,
     }
+
+
+def server_seconds(server: psutil.Process | None) -> float:
+    """CPU seconds the local server has used (0 for an external one)."""
+    return sum(server.cpu_times()[:2]) if server is not None else 0.0
 
 
 def hash_cost(size_mib: float) -> float:
@@ -116,7 +125,10 @@ def main(argv=None) -> int:
     parser.add_argument("--size-mib", type=float, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--endpoint", help="an S3 server to use instead of a local moto (credentials from the AWS environment)")
     args = parser.parse_args(argv)
+    import contextlib
+
     import boto3
 
     from dcpstore.local_s3 import TEST_CREDENTIALS, MotoServer
@@ -125,11 +137,12 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     counter = RequestCounter()
     runs: dict = {case: {"full": [], "incremental": []} for case in CASES}
-    with MotoServer() as server:
-        os.environ["AWS_ENDPOINT_URL"] = server.endpoint
+    with contextlib.nullcontext() if args.endpoint else MotoServer() as server:
+        endpoint = args.endpoint or server.endpoint
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
         bucket = f"incremental-{uuid.uuid4().hex[:8]}"
-        boto3.client("s3", endpoint_url=server.endpoint).create_bucket(Bucket=bucket)
-        server_process = psutil.Process(server.pid)
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+        server_process = psutil.Process(server.pid) if server is not None else None
         for r in range(args.rounds):
             for case, changed in CASES.items():
                 for mode in ("full", "incremental"):
@@ -151,6 +164,7 @@ def main(argv=None) -> int:
         "date": time.strftime("%Y-%m-%d"),
         "size_mib": args.size_mib,
         "rounds": args.rounds,
+        "server": args.endpoint or "moto (local)",
         "summary": summary,
     }
     with open(os.path.join(args.out, "incremental.json"), "w") as f:

@@ -37,7 +37,7 @@ def full_state(seed: int, step: int) -> dict:
     return {
         "sharded": torch.randn(ROWS, 64, generator=g),
         "sharded_int": torch.randint(0, 1 << 30, (ROWS, 5), generator=g),
-        "big": torch.randn(BIG, generator=g),
+        "big": torch.randn(BIG, generator=torch.Generator().manual_seed(seed)),  # frozen: the job's incremental saves copy it
         "meta": {"step": step, "seed": seed},
     }
 
@@ -87,6 +87,7 @@ def rank_main(rank: int, world_size: int, init_file: str, job: dict, results) ->
             commit_window=job["commit_window"],
             transfer=TRANSFER,
             objects_per_rank=2,
+            incremental=job.get("incremental", False),
         )
         if job.get("resume"):
             sd = state_dict(world_size, 0, 0)

@@ -5,6 +5,10 @@ part or PUT, a connection reset, a stall past the read timeout, a truncated
 GET while resuming, S3's rate limit (``ThrottleModel``) on every write, SIGKILL of a rank at staging / during the upload /
 around the ``.metadata`` PUT, or two jobs writing one root at once.  Some
 iterations then resume with a fresh job at the same or another world size.
+Every other iteration saves with ``incremental=True``: a job's replicated
+6 MiB tensor never changes, so each of its saves after the first (or after
+the resume's load) has the bucket copy it from the last commit, under the
+same faults.
 After each iteration the root is checked with plain boto3 and a fresh
 reader:
 
@@ -166,6 +170,7 @@ class _Iteration:
         self.violations: list[str] = []
         self.world_size = rng.choice((2, 2, 4))
         self.fault = fault
+        self.copies = 0  # UploadPartCopy requests the proxy saw: incremental saves at work under the fault
 
     def fail(self, message: str) -> None:
         self.violations.append(f"iteration {self.i} ({self.fault}, world size {self.world_size}): {message}")
@@ -173,7 +178,9 @@ class _Iteration:
     def spec(self, seed: int, **extra) -> dict:
         return {
             "root": self.root, "endpoint": self.proxy.endpoint, "seed": seed, "steps": STEPS,
-            "keep_last": KEEP_LAST, "collective_timeout": COLLECTIVE_TIMEOUT, "commit_window": COMMIT_WINDOW, **extra,
+            "keep_last": KEEP_LAST, "collective_timeout": COLLECTIVE_TIMEOUT, "commit_window": COMMIT_WINDOW,
+            "incremental": self.i % 2 == 1,  # every other iteration: unchanged items are copied from the last commit
+            **extra,
         }
 
     # -- faults -------------------------------------------------------------------------
@@ -209,10 +216,14 @@ class _Iteration:
             self.proxy.throttle = ThrottleModel(rate=rng.choice((5, 10)), burst=5)
         t0 = time.monotonic()
         ran = _run_jobs(jobs, on_request)
+        self.count_copies()
         self.proxy.clear()
         self.check(ran, time.monotonic() - t0)
         if self.fault == "truncated_get" or self.rng.random() < 0.35:
             self.resume()
+
+    def count_copies(self) -> None:
+        self.copies += sum(1 for method, _, headers in self.proxy.headers if method == "PUT" and "x-amz-copy-source" in headers)
 
     @staticmethod
     def _killer(rule, job_name: str, victim: int):
@@ -285,6 +296,7 @@ class _Iteration:
         world_size = self.rng.choice((1, 2, self.world_size))
         spec = self.spec(seed=3, resume=True, steps=(100,))
         (job,) = _run_jobs([("r", world_size, spec)])
+        self.count_copies()
         self.proxy.clear()
         loaded = [p for r in range(world_size) for kind, p in job.reports[r] if kind == "loaded"]
         if not committed:
@@ -313,6 +325,7 @@ def test_chaos(bucket, s3, proxy, iterations):
     rng = random.Random(SEED)
     counts: collections.Counter = collections.Counter()
     violations: list[str] = []
+    copies = 0
     t0 = time.monotonic()
     # Every kind once per round, in a seeded order, so short runs still cover the kills.
     order = [f for _ in range(iterations // len(FAULTS) + 1) for f in rng.sample(FAULTS, len(FAULTS))]
@@ -321,9 +334,11 @@ def test_chaos(bucket, s3, proxy, iterations):
         counts[it.fault] += 1
         it.run()
         violations += it.violations
+        copies += it.copies
     summary = (
         f"chaos: {iterations} iterations (seed {SEED}) in {time.monotonic() - t0:.0f}s; "
-        f"faults: {dict(sorted(counts.items()))}; violations: {len(violations)}"
+        f"faults: {dict(sorted(counts.items()))}; server-side copies: {copies}; violations: {len(violations)}"
     )
     print(summary)
     assert not violations, summary + "\n" + "\n".join(violations)
+    assert copies or iterations < 2, "no incremental save copied anything"

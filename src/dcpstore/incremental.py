@@ -158,8 +158,8 @@ class IncrementalState:
     def wrote(self, source: str, etag: str | None, results: Sequence, plan: ObjectPlan) -> None:
         """A finished shard object (``source``, ``etag``), its write results (``shard_writing.ChecksummedWriteResult``) in ``plan``'s order.
 
-        ``etag`` is ``None`` for an object sent as one PUT (smaller than a
-        part): a copy from it then takes the ETag its first HEAD reports.
+        ``etag``: ``None`` where the store has no ETags (a copy from it
+        then takes the one its first HEAD reports).
         """
         items = {
             r.index: StoredItem(

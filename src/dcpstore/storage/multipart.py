@@ -316,13 +316,13 @@ class MultipartObjectWriter(ObjectWriter):
                 UploadId=self._upload_id,
                 MultipartUpload={"Parts": [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]},
             )
-            self.etag = resp.get("ETag")
+            self.etag = resp.get("ETag") or None  # Ceph RGW 16.2 answers an empty one: taken from a HEAD when needed
         except ObjectNotFoundError:
             if tries.count > 1:
                 head = await store._call("HEAD", self._key, "head_object", Bucket=self._bucket, Key=self._path)
                 if int(head["ContentLength"]) == self._pos:
                     self._upload_id = None  # completed: nothing to abort
-                    self.etag = head.get("ETag")
+                    self.etag = head.get("ETag") or None
                     return
             raise
 
