@@ -16,7 +16,12 @@ from dcpstore.cli import main
 from dcpstore.storage import TransferConfig
 from dcpstore.storage.config import MiB
 from dist_utils import run_ranks
-from workers import checkpointer_incremental_killed, checkpointer_incremental_resume, checkpointer_incremental_saves
+from workers import (
+    checkpointer_incremental_killed,
+    checkpointer_incremental_resume,
+    checkpointer_incremental_saves,
+    dcp_save_incremental,
+)
 
 TENSORS, TENSOR_MIB = 16, 2  # 32 MiB: 16 tensors, 4 to a shard object
 TRANSFER = TransferConfig(part_size=5 * MiB)  # S3's smallest part, so these small objects go up in parts
@@ -161,4 +166,9 @@ def test_a_job_killed_during_an_incremental_save_resumes_bit_exact_and_copies_fr
     results = run_ranks(checkpointer_incremental_killed, 2, root, proxy.endpoint, expect_killed=(1,))
     assert results[1] is None and "step_00000002 was not committed" in results[0]
     copied = run_ranks(checkpointer_incremental_resume, 2, root)
+    assert all(6 * MiB <= copied[rank] < 9 * MiB for rank in (0, 1))
+
+
+def test_plain_dcp_save_with_an_incremental_writer_copies_once_the_last_save_is_seen_committed(bucket):
+    copied = run_ranks(dcp_save_incremental, 2, f"s3://{bucket}/plain")
     assert all(6 * MiB <= copied[rank] < 9 * MiB for rank in (0, 1))

@@ -602,3 +602,18 @@ def checkpointer_incremental_killed(rank, world_size, root, proxy_endpoint):
 def checkpointer_incremental_resume(rank, world_size, root):
     """A job restarted after ``checkpointer_incremental_killed``: resumes step 1 and saves step 3; the bytes it copied."""
     return _resume_and_save(init_device_mesh("cpu", (world_size,)), root, 1, 3)
+
+
+def dcp_save_incremental(rank, world_size, root):
+    """Plain ``dcp.save`` with one ``ObjectStoreWriter(incremental=True)`` for two checkpoints: the bytes the second copied."""
+    mesh = init_device_mesh("cpu", (world_size,))
+    writer = dcpstore.ObjectStoreWriter(root, incremental=True, transfer=dcpstore.TransferConfig(part_size=5 << 20))
+    for step in (1, 2):
+        dcp.save(_incremental_state(mesh, step), storage_writer=writer, checkpoint_id=f"{root}/ckpt-{step}")
+    copied = writer.incremental.bytes_copied
+    writer.close()
+    got = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in _incremental_state(mesh, 0).items()}
+    dcp.load(got, storage_reader=FsspecReader(f"{root}/ckpt-2"))
+    for key in ("frozen", "trained"):
+        assert torch.equal(got[key].to_local(), _incremental_state(mesh, 2)[key].to_local()), key
+    return copied

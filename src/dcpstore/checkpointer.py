@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.stateful import Stateful
 from .collectives import Collectives
 from .commit_protocol import CommitProtocol
 from .errors import CheckpointTimeoutError
-from .incremental import IncrementalState
 from .layout import StepNaming, delete_committed_step
 from .plan_cache import PlanCache
 from .resume import Resume
@@ -225,8 +224,8 @@ class AsyncCheckpointer:
             objects_per_rank=objects_per_rank,
             key_spread=key_spread,
             commit_window=commit_window,
+            incremental=incremental,
         )
-        self._writer.incremental = IncrementalState() if incremental else None
         self._retention = Retention(
             self.store, keep_last, gc_grace, self.step_naming, self._order, self._coll.timeout_s(collective_timeout)
         )

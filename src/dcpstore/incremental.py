@@ -193,6 +193,12 @@ class IncrementalState:
         with self._lock:
             self._base, self._written = base, {}
 
+    @property
+    def unsettled(self) -> bool:
+        """Whether the current save wrote items that no ``committed`` has made the base yet."""
+        with self._lock:
+            return bool(self._written)
+
     def committed(self) -> None:
         """The current save committed: what it wrote is the base of the next save."""
         with self._lock:

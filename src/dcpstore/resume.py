@@ -91,6 +91,7 @@ class Resume:
         """
         coordinator = self.coll.is_coordinator
         reader = metadata = raw = share = None
+        incremental = False
         try:
             # The coordinator finds the step and the resume index (one HEAD
             # of .metadata), and sends each rank the step and its own
@@ -111,7 +112,8 @@ class Resume:
             flat_sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
             if self.read_once and self.coll.enabled:
                 reader.read_once = self._read_once_group(flat_sd)
-            if self.writer.incremental is not None:
+            incremental = self.writer.incremental is not None and self.store.server_side_copy
+            if incremental:
                 reader.stored_digests = {}  # the next save copies what this load finds unchanged (see incremental)
             if entry is not None:
                 share = self._read_share(reader, entry, flat_sd, url)
@@ -142,7 +144,7 @@ class Resume:
         finally:
             if reader is not None:
                 reader.close()
-        if self.writer.incremental is not None:
+        if incremental:
             prefix = self.naming.prefix(step)
             self.writer.incremental.loaded(
                 reader.stored_digests, metadata.storage_data, planner_data.read_checksums(metadata),

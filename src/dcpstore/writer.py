@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from . import resume_index
-from .commit import Destination, delete_quietly
+from .commit import Destination, Outcome, delete_quietly, settle
 from .errors import DcpstoreError
 from .incremental import IncrementalState
 from .layout import generation
@@ -74,6 +74,17 @@ from .storage import ObjectStore, StoreOwner, ThrottleClock, TransferConfig, che
 logger = logging.getLogger(__name__)
 
 DEFAULT_OBJECTS_PER_RANK = 4  # shard objects a rank writes at once
+
+@dataclasses.dataclass
+class _CommitPrefix(_StoragePrefix):
+    """A rank's storage prefix, and the nonce its coordinator commits the save with (what ``reset`` looks for, see ``incremental``).
+
+    Under plain ``dcp.save`` every rank's writer draws its own ``save_id``;
+    only the coordinator's tags ``.metadata``.
+    """
+
+    nonce: str = ""
+
 
 class _StagedStateDict(dict):
     """What ``ObjectStoreWriter.stage`` returns: a plain dict that can carry a finalizer (its pool's way back)."""
@@ -105,6 +116,13 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
             (throttled, or failing) before the commit is settled by reading
             storage back (see ``commit``).
         checksums: record a crc32 per item, checked on load.
+        incremental: do not send again the tensor items whose bytes did not
+            change since this writer's last committed save: on S3 the bucket
+            copies them into the new checkpoint (see ``incremental``).  With
+            plain ``dcp.save``, a rank learns that a save committed only by
+            one HEAD of its ``.metadata`` when the next save starts (an
+            ``AsyncCheckpointer`` tells every rank instead).  Not carried to
+            a checkpoint process (``async_checkpointer_type=PROCESS``).
         _extensions: torch's stream extensions applied to every item, as
             ``FileSystemWriter(_extensions=...)`` takes them (EXPERIMENTAL
             in torch, hence the underscore), e.g. ``[ZStandard()]``.
@@ -149,6 +167,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         key_spread: int = 1,
         transfer: TransferConfig | None = None,
         checksums: bool = True,
+        incremental: bool = False,
         commit_window: float = 60.0,
         _extensions: Sequence[StreamTransformExtension] | None = None,
         thread_count: int | None = None,
@@ -182,8 +201,8 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self._free_staging: list[StagingPool] = []  # for dcp.async_save: pools no staged copy holds now
         # Builds .metadata (in full, or patched from the last one) and the resume index; kept across saves.
         self.builder = MetadataBuilder(checksums)
-        # Set by an AsyncCheckpointer(incremental=True), which tells it each commit (see ``incremental``).
-        self.incremental: IncrementalState | None = None
+        # What the next save may copy (see ``incremental``); an AsyncCheckpointer tells it each commit.
+        self.incremental = IncrementalState() if incremental else None
         self.reset(url)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -223,6 +242,11 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
     # -- StorageWriter ----------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if self.incremental is not None and self.incremental.unsettled and self._store is not None:
+            # The last save's items are the next one's base only if its .metadata is there (a HEAD): committed
+            # under this writer's nonce (an AsyncCheckpointer's are the same on every rank) or the coordinator's.
+            if any(settle(self._store, nonce) is Outcome.COMMITTED for nonce in dict.fromkeys((self.save_id, self._commit_nonce))):
+                self.incremental.committed()
         if checkpoint_id is not None:
             self.move_store(checkpoint_id)
         self.save_id = uuid.uuid4().hex
@@ -238,6 +262,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self.put_deadline: float | None = None
         self._index_key: str | None = None  # the resume index finish() wrote, deleted with the shards if not committed
         self._index_tags: dict[str, str] = {}  # what names that index on the commit (x-amz-meta)
+        self._commit_nonce = self.save_id  # the coordinator's, from the plan (see _CommitPrefix)
         if self.incremental is not None:
             self.incremental.begin()
 
@@ -266,7 +291,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self.plans.from_global_step(plans)
         if self.overwrite:
             self.destination.read_replaced(self.store)
-        return [dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{rank}_")) for rank, plan in enumerate(plans)]
+        return [dataclasses.replace(plan, storage_data=_CommitPrefix(f"__{rank}_", self.save_id)) for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self.is_coordinator:
@@ -274,6 +299,8 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         # A cached final plan (torch's plan caching) may carry any earlier
         # prefix; only the rank part of it is used.
         prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{self.rank}_"
+        if isinstance(plan.storage_data, _CommitPrefix) and plan.storage_data.nonce:
+            self._commit_nonce = plan.storage_data.nonce  # a cached plan's is an earlier save's: then only save_id can match
         shard_generation = generation(self.save_id)
         # Bytes items last in each shard: one whose pickled size changes moves no tensor's offset.
         buckets = [
@@ -292,7 +319,8 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
 
         def upload(name: str, items: list[WriteItem]) -> list[ChecksummedWriteResult]:
             with on_streams(cuda_streams):
-                plan = plan_object(items, planner, self.incremental) if self.incremental is not None else None
+                copies = self.incremental is not None and self.store.server_side_copy
+                plan = plan_object(items, planner, self.incremental) if copies else None
                 with self.store.open_writer(name) as stream:
                     results = write_items(stream, name, items, planner, self.transforms, plan)
             if plan is not None:

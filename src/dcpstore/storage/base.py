@@ -90,6 +90,8 @@ class ObjectStore:
     has_buckets = False
     #: Whether ``put(metadata=...)`` is stored and ``head`` returns it.
     has_user_metadata = False
+    #: Whether ``ObjectWriter.copy_range`` can append another object's bytes without sending them.
+    server_side_copy = False
 
     def __init__(self, url: str, root: str, connection: Connection):
         """A store at ``url`` (``root`` on the filesystem); takes over a lease the caller holds on ``connection``."""

@@ -49,6 +49,7 @@ class S3ObjectStore(S3Requests):
 
     has_buckets = True
     has_user_metadata = True
+    server_side_copy = True  # UploadPartCopy
 
     # -- primitives -------------------------------------------------------------
 
