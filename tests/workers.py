@@ -617,3 +617,31 @@ def dcp_save_incremental(rank, world_size, root):
     for key in ("frozen", "trained"):
         assert torch.equal(got[key].to_local(), _incremental_state(mesh, 2)[key].to_local()), key
     return copied
+
+
+def hf_model_tensors() -> dict[str, torch.Tensor]:
+    """A small model's full tensors, of mixed dtypes (what an HF export must reproduce)."""
+    g = torch.Generator().manual_seed(11)
+    return {
+        "model.embed.weight": torch.randn(64, 32, generator=g),
+        "model.layers.0.attn.weight": torch.randn(32, 32, generator=g).to(torch.bfloat16),
+        "model.layers.0.mlp.weight": torch.randn(48, 32, generator=g).to(torch.float16),
+        "model.layers.0.norm.weight": torch.randn(32, generator=g),
+        "model.positions": torch.arange(64, dtype=torch.int64),
+        "lm_head.weight": torch.randn(64, 32, generator=g),
+    }
+
+
+def save_hf_model(rank, world_size, root, mesh_shape):
+    """Save ``hf_model_tensors`` sharded over a mesh (1-D: Shard(0); 2-D: Shard(0) x Shard(1)), with non-tensor items."""
+    mesh = init_device_mesh("cpu", mesh_shape)
+    placements = [Shard(0)] if len(mesh_shape) == 1 else [Shard(0), Shard(1)]
+    state = {
+        name: (distribute_tensor(t, mesh, placements) if t.dim() >= len(mesh_shape) else t)
+        for name, t in hf_model_tensors().items()
+    }
+    state["train_step"] = 7
+    state["config"] = {"lr": 1e-3}
+    with dcpstore.AsyncCheckpointer(root) as ckpt:
+        ckpt.save(state, step=1)
+        ckpt.wait()

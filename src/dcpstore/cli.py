@@ -4,6 +4,8 @@
     dcpstore inspect s3://bucket/run-7/step_00001000 [--json]
     dcpstore verify URI [--deep]             exit 1 on any problem, naming the object
     dcpstore gc s3://bucket/run-7 [--keep-last N] [--grace SECONDS] [--dry-run]
+    dcpstore export-hf SRC DST [--max-shard-size 5GB] [--dtype bf16|fp16|fp32] [--prefix model.] [--overwrite]
+                                             a step as Hugging Face safetensors shards and index
     dcpstore demo                            train, save, kill, resume on an embedded S3
 
 No command runs code from the bucket: ``ls`` only lists objects, and
@@ -239,6 +241,19 @@ def cmd_gc(args) -> int:
     return 0
 
 
+def cmd_export_hf(args) -> int:
+    from .export.hf import export_hf
+
+    result = export_hf(
+        args.src, args.dst, max_shard_size=args.max_shard_size, dtype=args.dtype, prefix=args.prefix,
+        overwrite=args.overwrite, progress=lambda file: print(f"wrote {file}"),
+    )
+    if result.skipped:
+        print(f"skipped {len(result.skipped)} item(s) that are not tensors: {', '.join(result.skipped)}")
+    print(f"done: {result.tensors} tensors, {_size(result.total_size)} in {len(result.shards)} shard(s); {result.index_url}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -284,6 +299,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "changed for this long on the server's clock (a save may be running); positive, default 3600")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("export-hf", help="write a committed step as Hugging Face safetensors shards and index")
+    p.add_argument("src", help="a committed step, e.g. s3://bucket/run-7/step_00001000 (dcpstore's or stock torch's)")
+    p.add_argument("dst", help="where the shards and model.safetensors.index.json go: s3://..., file://...")
+    p.add_argument("--max-shard-size", default="5GB", help="bytes a shard holds at most, as huggingface_hub reads it (5GB = 5 x 10^9; 2GiB); a larger tensor gets a shard of its own")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="cast floating-point tensors to this dtype")
+    p.add_argument("--prefix", default="", help="strip this from the tensor names that start with it, e.g. model.")
+    p.add_argument("--overwrite", action="store_true", help="replace an export already in DST")
+    p.set_defaults(func=cmd_export_hf)
 
     p = sub.add_parser("demo", help="train a small model with async checkpoints, kill it, resume it")
     p.add_argument("--steps", type=int, default=300)

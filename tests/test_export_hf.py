@@ -1,0 +1,72 @@
+"""Hugging Face export straight from the bucket to the bucket (issue 45).
+
+Every export is loaded back with ``safetensors.torch.load_file``, the
+library transformers and vLLM use, into tensors equal to the full state.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dcpstore.cli import main
+from dcpstore.export.hf import INDEX_NAME, export_hf, parse_size, plan_shards
+from dist_utils import run_ranks
+from workers import hf_model_tensors, save_hf_model
+
+
+def exported(folder) -> dict[str, torch.Tensor]:
+    """Every tensor an export at local ``folder`` holds, through its index."""
+    index = json.loads((folder / INDEX_NAME).read_text())
+    out = {}
+    for file in sorted(set(index["weight_map"].values())):
+        out.update(load_file(folder / file))
+    assert set(out) == set(index["weight_map"])
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in out.values())
+    return out
+
+
+def download(s3, bucket: str, prefix: str, to) -> None:
+    to.mkdir()
+    for obj in s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/")["Contents"]:
+        s3.download_file(bucket, obj["Key"], str(to / obj["Key"].rsplit("/", 1)[1]))
+
+
+def test_a_sharded_step_of_mixed_dtypes_exports_to_s3_and_to_a_folder(bucket, s3, tmp_path, capsys):
+    root = f"s3://{bucket}/run"
+    run_ranks(save_hf_model, 2, root, (2,))
+    want = {name.removeprefix("model."): t for name, t in hf_model_tensors().items()}
+
+    # To the bucket, through the CLI, 4 KiB shards: several of them.
+    assert main(["export-hf", f"{root}/step_00000001", f"s3://{bucket}/hf", "--max-shard-size", "4KiB", "--prefix", "model."]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 2 item(s) that are not tensors: train_step, config.lr" in out
+    download(s3, bucket, "hf", tmp_path / "s3")
+    got = exported(tmp_path / "s3")
+    assert len(set(json.loads((tmp_path / "s3" / INDEX_NAME).read_text())["weight_map"].values())) > 2
+    assert got.keys() == want.keys()
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+
+    # To a folder, cast to bf16 (floating-point only), names kept.
+    result = export_hf(f"{root}/step_00000001", f"file://{tmp_path}/local", dtype="bf16")
+    got = exported(tmp_path / "local")
+    assert result.shards == ["model-00001-of-00001.safetensors"]
+    for name, t in hf_model_tensors().items():
+        cast = t.to(torch.bfloat16) if t.is_floating_point() else t
+        assert got[name].dtype == cast.dtype and torch.equal(got[name], cast), name
+
+
+def test_shards_follow_huggingface_hubs_rule_and_sizes_read_as_it_reads_them():
+    from dcpstore.export.hf import _Tensor
+
+    def t(name, n):
+        return _Tensor(name, name, torch.uint8, (n,), torch.uint8)
+
+    shards = plan_shards([t("a", 4), t("b", 4), t("big", 20), t("c", 3), t("d", 6)], 10)
+    # As huggingface_hub.split_torch_state_dict_into_shards: a tensor over the limit is appended as a shard at once.
+    assert [[x.name for x in s] for s in shards] == [["big"], ["a", "b"], ["c", "d"]]
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 << 30 and parse_size("40MB") == 40 * 10**6
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("5 gigs")
