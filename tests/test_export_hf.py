@@ -33,6 +33,7 @@ def download(s3, bucket: str, prefix: str, to) -> None:
         s3.download_file(bucket, obj["Key"], str(to / obj["Key"].rsplit("/", 1)[1]))
 
 
+@pytest.mark.also_rgw
 def test_a_sharded_step_of_mixed_dtypes_exports_to_s3_and_to_a_folder(bucket, s3, tmp_path, capsys):
     root = f"s3://{bucket}/run"
     run_ranks(save_hf_model, 2, root, (2,))
@@ -70,3 +71,72 @@ def test_shards_follow_huggingface_hubs_rule_and_sizes_read_as_it_reads_them():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 << 30 and parse_size("40MB") == 40 * 10**6
     with pytest.raises(ValueError, match="not a size"):
         parse_size("5 gigs")
+
+
+def test_a_2d_mesh_step_exports_bit_exact(bucket, tmp_path):
+    root = f"s3://{bucket}/run2d"
+    run_ranks(save_hf_model, 4, root, (2, 2))
+    export_hf(f"{root}/step_00000001", f"file://{tmp_path}/hf", max_shard_size="8KB")
+    got = exported(tmp_path / "hf")
+    for name, t in hf_model_tensors().items():
+        assert torch.equal(got[name], t), name
+
+
+def test_a_step_written_by_stock_fsspec_writer_exports(bucket, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    url = f"s3://{bucket}/stock"
+    dcp.save(hf_model_tensors(), storage_writer=FsspecWriter(url), no_dist=True)
+    export_hf(url, f"file://{tmp_path}/hf", max_shard_size="10KB")
+    got = exported(tmp_path / "hf")
+    for name, t in hf_model_tensors().items():
+        assert torch.equal(got[name], t), name
+
+
+def test_a_corrupt_chunk_is_refused_and_leaves_no_export(bucket, s3, capsys):
+    root = f"s3://{bucket}/run"
+    run_ranks(save_hf_model, 2, root, (2,))
+    shards = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="run/step_00000001/")["Contents"] if o["Key"].endswith(".distcp")]
+    body = bytearray(s3.get_object(Bucket=bucket, Key=shards[-1])["Body"].read())
+    body[len(body) // 2] ^= 0xFF
+    s3.put_object(Bucket=bucket, Key=shards[-1], Body=bytes(body))
+    assert main(["export-hf", f"{root}/step_00000001", f"s3://{bucket}/hf", "--max-shard-size", "4KiB"]) == 1
+    err = capsys.readouterr().err
+    assert "checksum mismatch" in err and shards[-1].rsplit("/", 1)[1] in err
+    assert "Contents" not in s3.list_objects_v2(Bucket=bucket, Prefix="hf/")  # no index, and the shards written are gone
+
+
+def test_an_export_is_refused_where_one_is_committed_unless_overwrite(bucket, tmp_path):
+    from dcpstore.errors import CheckpointExistsError
+
+    root = f"s3://{bucket}/run"
+    run_ranks(save_hf_model, 2, root, (2,))
+    dst = f"file://{tmp_path}/hf"
+    export_hf(f"{root}/step_00000001", dst)
+    with pytest.raises(CheckpointExistsError, match="already there"):
+        export_hf(f"{root}/step_00000001", dst)
+    export_hf(f"{root}/step_00000001", dst, overwrite=True, dtype="fp16")
+    assert exported(tmp_path / "hf")["lm_head.weight"].dtype == torch.float16
+
+
+def test_a_killed_exports_shards_go_to_gc_and_a_committed_export_stays(bucket, s3):
+    from conftest import wait_until_older_than
+
+    from dcpstore.storage import open_store
+    from workers import export_hf_killed_after_first_shard
+
+    root = f"s3://{bucket}/run"
+    run_ranks(save_hf_model, 2, root, (2,))
+    src = f"{root}/step_00000001"
+    run_ranks(export_hf_killed_after_first_shard, 1, src, f"s3://{bucket}/exports/killed", process_group=False, expect_killed=(0,))
+    export_hf(src, f"s3://{bucket}/exports/done", max_shard_size="4KiB")
+    keys = lambda prefix: sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))  # noqa: E731
+    assert keys("exports/killed/") == ["exports/killed/model-00001-of-00004.safetensors"]
+    done = keys("exports/done/")
+    store = open_store(f"s3://{bucket}/exports")
+    assert main(["gc", store.url, "--grace", "60"]) == 0  # too recent: an export may still be writing
+    assert keys("exports/killed/") != []
+    wait_until_older_than(store, 1)
+    assert main(["gc", store.url, "--grace", "1"]) == 0
+    assert keys("exports/killed/") == [] and keys("exports/done/") == done

@@ -645,3 +645,10 @@ def save_hf_model(rank, world_size, root, mesh_shape):
     with dcpstore.AsyncCheckpointer(root) as ckpt:
         ckpt.save(state, step=1)
         ckpt.wait()
+
+
+def export_hf_killed_after_first_shard(rank, world_size, src, dst):
+    """``export_hf`` that is SIGKILLed once its first shard is written: shards, no index."""
+    from dcpstore.export.hf import export_hf
+
+    export_hf(src, dst, max_shard_size="4KiB", progress=lambda file: os.kill(os.getpid(), signal.SIGKILL))

@@ -4,6 +4,7 @@
     dcpstore inspect s3://bucket/run-7/step_00001000 [--json]
     dcpstore verify URI [--deep]             exit 1 on any problem, naming the object
     dcpstore gc s3://bucket/run-7 [--keep-last N] [--grace SECONDS] [--dry-run]
+                                             (also a failed export's shards: dcpstore gc s3://bucket/hf)
     dcpstore export-hf SRC DST [--max-shard-size 5GB] [--dtype bf16|fp16|fp32] [--prefix model.] [--overwrite]
                                              a step as Hugging Face safetensors shards and index
     dcpstore demo                            train, save, kill, resume on an embedded S3
@@ -227,6 +228,8 @@ def cmd_gc(args) -> int:
         print(f"{verb} incomplete step {s.step} ({s.objects} objects, {_size(s.size)})")
     for u in plan.uploads:
         print(f"{'would abort' if args.dry_run else 'aborting'} multipart upload of {store.url_for(u.key)}")
+    for folder, keys in plan.exports.items():
+        print(f"{verb} a failed Hugging Face export's {len(keys)} shard(s) in {store.url_for(folder)} (no index)")
     for s in plan.pruned:
         print(f"{verb} committed step {s.step} (beyond --keep-last {args.keep_last})")
         others = not_written_by_dcp(s.keys)
@@ -237,7 +240,10 @@ def cmd_gc(args) -> int:
     if args.dry_run:
         return 0
     deleted = plan.run(store, progress=lambda items, desc, unit: _progress(items, desc, unit, at_least=5))
-    print(f"done: {deleted} incomplete and {len(plan.pruned)} committed steps deleted, {len(plan.uploads)} uploads aborted")
+    print(
+        f"done: {deleted} incomplete and {len(plan.pruned)} committed steps deleted, {len(plan.exports)} failed exports deleted, "
+        f"{len(plan.uploads)} uploads aborted"
+    )
     return 0
 
 

@@ -23,6 +23,9 @@ from .storage import MultipartUploadInfo, ObjectStore
 logger = logging.getLogger(__name__)
 
 METADATA_KEY = ".metadata"  # a DCP checkpoint exists exactly when this object does
+# A Hugging Face export (export/hf.py) exists exactly when its index does; shards without one are a failed export's.
+HF_INDEX_KEY = "model.safetensors.index.json"
+HF_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 # User metadata (x-amz-meta-*) of a committed .metadata: the nonce of the save
 # that wrote it (= StorageMeta.save_id inside it; see commit).
 NONCE_KEY = "dcpstore-save"
@@ -88,10 +91,13 @@ class StepInfo:
     committed_at: float | None = None  # its .metadata's time, if committed
 
 
-def list_steps(store: ObjectStore, naming: StepNaming | None = None) -> list[StepInfo]:
-    """Every step under ``store``'s root (named in ``naming``'s form, if given), committed or not, oldest first."""
+def list_steps(store: ObjectStore, naming: StepNaming | None = None, objects: list | None = None) -> list[StepInfo]:
+    """Every step under ``store``'s root (named in ``naming``'s form, if given), committed or not, oldest first.
+
+    ``objects``: the root's listing, if the caller has it already.
+    """
     grouped: dict[str, list] = {}
-    for obj in store.list():
+    for obj in store.list() if objects is None else objects:
         head, _, rest = obj.key.partition("/")
         if rest and parse_step(head, naming) is not None:
             grouped.setdefault(head, []).append((rest, obj))

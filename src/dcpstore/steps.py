@@ -76,6 +76,8 @@ import time
 
 from .commit import PARENT_KEY, SEQUENCE_KEY, tags_in_object
 from .layout import (
+    HF_INDEX_KEY,
+    HF_SHARD_NAME,
     METADATA_KEY,
     StepInfo,
     StepNaming,
@@ -227,6 +229,7 @@ class GcPlan:
     incomplete: list[StepInfo]  # failed saves' steps: shards without .metadata
     uploads: list[MultipartUploadInfo]  # open multipart uploads
     pruned: list[StepInfo]  # committed steps beyond keep_last
+    exports: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # failed Hugging Face exports: folder -> shard keys
 
     def run(self, store: ObjectStore, progress=lambda items, desc, unit: items) -> int:
         """Delete what was planned; returns how many incomplete steps were deleted.
@@ -238,6 +241,8 @@ class GcPlan:
         deleted = sum(delete_incomplete_step(store, s) for s in progress(self.incomplete, "delete incomplete steps", "step"))
         for s in progress(self.pruned, "delete steps", "step"):
             delete_committed_step(store, s.prefix)
+        for keys in progress(list(self.exports.values()), "delete failed exports", "export"):
+            store.delete(keys)
         return deleted
 
 
@@ -269,14 +274,16 @@ def plan_gc(
     (``delete_committed_step``).  ``grace=None`` plans no debris at all.
     ``order`` (records already read) saves requests.
     """
-    incomplete, uploads, pruned = [], [], []
+    incomplete, uploads, pruned, exports = [], [], [], {}
     if grace is not None:
         check_grace(grace)
         # The clock first, then uploads, then objects: a shard that completes
         # between the listings shows as an upload gone (live), not in neither.
         now = store.server_time() if now is None else now
-        step_uploads = [u for u in open_uploads(store) if parse_step(_step_of(u), naming) is not None]
-    steps = list_steps(store, naming)
+        every_upload = open_uploads(store)
+        step_uploads = [u for u in every_upload if parse_step(_step_of(u), naming) is not None]
+    objects = store.list()
+    steps = list_steps(store, naming, objects)
     committed = [s for s in steps if s.committed]
     if grace is not None:
         live = live_steps(store, steps, step_uploads, now - grace)
@@ -292,6 +299,10 @@ def plan_gc(
                 continue
             incomplete.append(s)
         uploads = [u for u in step_uploads if _step_of(u) not in live]
+        if naming is None:  # a collection of the whole root (dcpstore gc), not a checkpointer's of its own steps
+            export_uploads = [u for u in every_upload if HF_SHARD_NAME.fullmatch(u.key.rpartition("/")[2])]
+            exports = abandoned_exports(store, objects, export_uploads, now - grace)
+            uploads += [u for u in export_uploads if u.key.rpartition("/")[0] in exports]
     if keep_last is not None:
         order = order or CommitOrder(store)
         # Each naming's checkpointer numbers its commits among its own steps:
@@ -301,7 +312,30 @@ def plan_gc(
             if len(mine) > keep_last:
                 kept = retained(order.records(mine), keep_last) | keep
                 pruned += [s for s in mine if s.step not in kept]
-    return GcPlan(incomplete, uploads, sorted(pruned, key=lambda s: (s.step, s.prefix)))
+    return GcPlan(incomplete, uploads, sorted(pruned, key=lambda s: (s.step, s.prefix)), exports)
+
+
+def abandoned_exports(store: ObjectStore, objects: list, uploads: list[MultipartUploadInfo], since: float) -> dict[str, list[str]]:
+    """Failed Hugging Face exports under the root: each folder's shard keys, where it has shards, no index, and nothing changed since ``since``.
+
+    An export commits by its index (``export/hf.py``), so a folder with one
+    is never touched; without one, its shards (``model-0000K-of-0000N.safetensors``)
+    are a failed or killed export's, once no shard and no open upload of one
+    there changed for the grace period (an export may still be writing).
+    """
+    folders: dict[str, list] = {}
+    for obj in objects:
+        folder, _, name = obj.key.rpartition("/")
+        if name == HF_INDEX_KEY or HF_SHARD_NAME.fullmatch(name):
+            folders.setdefault(folder, []).append((name, obj))
+    live = {u.key.rpartition("/")[0] for u in uploads if not (_older(u.initiated, since) and _older(store.upload_last_active(u), since))}
+    return {
+        folder: [obj.key for _, obj in found]
+        for folder, found in folders.items()
+        if folder not in live
+        and all(name != HF_INDEX_KEY for name, _ in found)
+        and all(_older(obj.last_modified, since) for _, obj in found)
+    }
 
 
 def check_grace(grace: float) -> None:

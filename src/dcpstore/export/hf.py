@@ -44,13 +44,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import CheckpointExistsError
+from ..layout import HF_INDEX_KEY
 from ..reader import ObjectStoreReader
 from ..storage import ObjectStore, open_store
 
 logger = logging.getLogger(__name__)
 
-INDEX_NAME = "model.safetensors.index.json"
-SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+INDEX_NAME = HF_INDEX_KEY
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # huggingface_hub's default, "5GB"
 
 #: safetensors' names of the dtypes it stores.
