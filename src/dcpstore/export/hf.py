@@ -12,8 +12,9 @@ model:
   crc32 where the step has them.  Steps written by stock torch load too.
 * **Write** each shard as it is assembled: the safetensors header (whose
   size and offsets are known before any data) and then each tensor's bytes,
-  lent to the store's multipart writer without a copy.  ``safetensors.torch.save``
-  would first make the whole shard one more ``bytes``.
+  lent to the store's multipart writer without a copy, while the next
+  read-ahead window of tensors is read.  ``safetensors.torch.save`` would
+  first make the whole shard one more ``bytes``.
 * **Commit** by the index, written last and conditionally, like
   ``.metadata``: until it is there, ``DST`` holds no model that any loader
   opens.  A new export refuses a folder that holds an index, unless
@@ -162,6 +163,8 @@ def export_hf(
     out_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     reader = ObjectStoreReader(src, storage_options=storage_options)
     dst_store = open_store(dst, storage_options=dst_storage_options if dst_storage_options is not None else storage_options)
+    # One process writes the folder: it starts at the key range's whole rate, not in a lone writer's slow start (storage.throttle).
+    dst_store.share_write_rate(1)
     try:
         metadata = reader.read_metadata()
         tensors, skipped = [], []
@@ -213,20 +216,41 @@ def _claim(store: ObjectStore, overwrite: bool) -> None:
 
 
 def _write_shard(reader: ObjectStoreReader, store: ObjectStore, file: str, shard: list[_Tensor]) -> None:
-    """Assemble ``shard``'s tensors from the step (checked), and stream them into ``file`` behind its header."""
-    state = {t.fqn: torch.empty(t.shape, dtype=t.dtype) for t in shard}
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=reader, no_dist=True)
-    except CheckpointException as e:  # the reader's own error names the object and the cause
-        raise e.failures[min(e.failures)][0] from None
+    """Stream ``shard`` into ``file``: its header, then its tensors, each group read from the step (checked) while the last one uploads.
+
+    Groups hold up to the reader's read-ahead window (a tensor larger than
+    it, alone); a tensor's bytes go to the writer lent, so its memory is
+    freed once its parts are uploaded.
+    """
     with store.open_writer(file) as out:
         out.write(safetensors_header(shard))
-        for t in shard:
-            tensor = state.pop(t.fqn).to(t.out_dtype).contiguous()
-            if tensor.numel():
-                out.write_lent(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), tensor)
+        for group in _groups(shard, reader.readahead_bytes // 4):
+            state = {t.fqn: torch.empty(t.shape, dtype=t.dtype) for t in group}
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.load(state, storage_reader=reader, no_dist=True)
+            except CheckpointException as e:  # the reader's own error names the object and the cause
+                raise e.failures[min(e.failures)][0] from None
+            for t in group:
+                tensor = state.pop(t.fqn).to(t.out_dtype).contiguous()
+                if tensor.numel():
+                    out.write_lent(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()), tensor)
+
+
+def _groups(shard: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:
+    """``shard``'s tensors in order, in runs of at most ``max_bytes`` (stored), a larger tensor alone."""
+    groups: list[list[_Tensor]] = []
+    size = max_bytes
+    for t in shard:
+        nbytes = torch.Size(t.shape).numel() * t.dtype.itemsize
+        if groups and size + nbytes <= max_bytes:
+            groups[-1].append(t)
+            size += nbytes
+        else:
+            groups.append([t])
+            size = nbytes
+    return groups
 
 
 def _delete_quietly(store: ObjectStore, files: list[str]) -> None:
