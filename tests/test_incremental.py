@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
 import dcpstore
+from conftest import read_metadata_raw
 from dcpstore.cli import main
 from dcpstore.storage import TransferConfig
 from dcpstore.storage.config import MiB
@@ -172,3 +173,88 @@ def test_a_job_killed_during_an_incremental_save_resumes_bit_exact_and_copies_fr
 def test_plain_dcp_save_with_an_incremental_writer_copies_once_the_last_save_is_seen_committed(bucket):
     copied = run_ranks(dcp_save_incremental, 2, f"s3://{bucket}/plain")
     assert all(6 * MiB <= copied[rank] < 9 * MiB for rank in (0, 1))
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_a_quantized_tensor_whose_scale_changed_is_sent_not_copied(bucket):
+    """Same integer values, another scale: the archive differs where the values do not, so quantized tensors are never copied."""
+    import io
+
+    import boto3
+
+    root = f"s3://{bucket}/q"
+    x = torch.randn(3 * MiB)
+
+    def sd(scale):
+        return {f"q{i}": torch.quantize_per_tensor(x * scale, 0.1 * scale, 0, torch.qint8) for i in range(2)}
+
+    writer = dcpstore.ObjectStoreWriter(root, incremental=True, transfer=TRANSFER, objects_per_rank=1)
+    for step, scale in ((1, 1.0), (2, 2.0)):
+        dcp.save(sd(scale), storage_writer=writer, checkpoint_id=f"{root}/c{step}", no_dist=True)
+    assert writer.incremental.bytes_copied == 0
+    writer.close()
+    s3 = boto3.client("s3")
+    md = read_metadata_raw(s3, bucket, "q/c2")
+    for info in md.storage_data.values():
+        body = s3.get_object(Bucket=bucket, Key=f"q/c2/{info.relative_path}", Range=f"bytes={info.offset}-{info.offset + info.length - 1}")["Body"].read()
+        assert torch.load(io.BytesIO(body), weights_only=True).q_scale() == pytest.approx(0.2)
+
+
+def lora_state(step: int) -> dict:
+    """Frozen 6 MiB weights interleaved with small trained adapters: after the first incremental save, one long run."""
+    out = {}
+    for i in range(4):
+        out[f"l{i}.frozen"] = torch.randn(6 * MiB // 4, generator=torch.Generator().manual_seed(i))
+        out[f"l{i}.lora"] = torch.full((1024,), float(step))
+    return out
+
+
+def test_a_run_longer_than_a_copied_part_is_copied_in_several(bucket, monkeypatch):
+    import dcpstore.storage.multipart as multipart
+
+    monkeypatch.setattr(multipart, "MAX_COPY_PART_SIZE", 16 * MiB)  # S3's is 5 GiB
+    root = f"s3://{bucket}/cap"
+    copied = []
+    with dcpstore.AsyncCheckpointer(root, transfer=TRANSFER, incremental=True, objects_per_rank=1) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(lora_state(step), step=step)
+            ckpt.wait()
+            copied.append((ckpt.last_stats.copied_bytes, ckpt.last_stats.copy_requests))
+    assert copied[0] == (0, 0) and copied[1][0] >= 4 * 6 * MiB
+    assert copied[2][0] == copied[1][0] and copied[2][1] == 2  # one run of 24 MiB: two copied parts of 12 MiB
+    assert_bit_exact(load_with_torch(f"{root}/step_00000003", lora_state(3)), lora_state(3))
+
+
+def test_a_copy_that_fails_after_its_first_part_rewrites_the_object_without_copies(bucket, proxy, monkeypatch):
+    import dcpstore.storage.multipart as multipart
+
+    monkeypatch.setattr(multipart, "MAX_COPY_PART_SIZE", 16 * MiB)
+    root = f"s3://{bucket}/cap"
+    with dcpstore.AsyncCheckpointer(
+        root, storage_options={"endpoint_url": proxy.endpoint}, transfer=TRANSFER, incremental=True, objects_per_rank=1
+    ) as ckpt:
+        for step in (1, 2):
+            ckpt.save(lora_state(step), step=step)
+            ckpt.wait()
+        failing = proxy.add("PUT", r"step_00000003/.*\.distcp\?.*partNumber=2(&|$)", status=500, code="InternalError", times=TRANSFER.retry.max_attempts)
+        ckpt.save(lora_state(3), step=3)
+        ckpt.wait()
+        assert failing.hits == TRANSFER.retry.max_attempts and ckpt.last_stats.copied_bytes == 0
+    assert_bit_exact(load_with_torch(f"{root}/step_00000003", lora_state(3)), lora_state(3))
+
+
+def test_after_a_restart_a_source_changed_since_the_load_is_not_copied_from(bucket, s3):
+    root = f"s3://{bucket}/run"
+    with dcpstore.AsyncCheckpointer(root, transfer=TRANSFER, incremental=True) as ckpt:
+        ckpt.save(state(1, 2), step=1)
+        ckpt.wait()
+    with dcpstore.AsyncCheckpointer(root, transfer=TRANSFER, incremental=True) as ckpt:  # a restarted job
+        loaded = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0 for k, v in state(1, 2).items()}
+        assert ckpt.load(loaded) == 1
+        keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="run/step_00000001/")["Contents"] if o["Key"].endswith(".distcp"))
+        body = s3.get_object(Bucket=bucket, Key=keys[0])["Body"].read()
+        s3.put_object(Bucket=bucket, Key=keys[0], Body=body[::-1])  # same size, other bytes: only its ETag tells
+        ckpt.save(state(2, 2), step=2)
+        ckpt.wait()
+        assert ckpt.last_stats.copy_requests == 3
+    assert_bit_exact(load_with_torch(f"{root}/step_00000002", state(2, 2)), state(2, 2))

@@ -46,9 +46,18 @@ import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from .storage import multipart
+
 
 def content_digest(tensor: torch.Tensor) -> bytes | None:
-    """A 128-bit hash of a tensor's dtype, shape and bytes (contiguous, on the CPU); ``None`` where they have no plain view (quantized)."""
+    """A 128-bit hash of a tensor's dtype, shape and bytes (contiguous, on the CPU).
+
+    ``None`` (never copied) for anything but a plain dense tensor: a
+    quantized tensor's archive also holds its scale and zero point, which
+    its bytes do not show; a sparse or subclassed one is more than its bytes.
+    """
+    if type(tensor) is not torch.Tensor or tensor.is_quantized or tensor.layout != torch.strided:
+        return None
     try:
         raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
     except (RuntimeError, TypeError):
@@ -64,7 +73,7 @@ class StoredItem:
 
     digest: bytes
     source: str  # the shard object, as ``ObjectStore.location`` names it
-    etag: str | None  # that object's when it was written; None: not known (taken from the first HEAD, see ``loaded``)
+    etag: str | None  # that object's when it was written or read; None: not known (taken from the first HEAD, see ``loaded``)
     offset: int
     length: int
     crc32: int
@@ -153,7 +162,7 @@ class IncrementalState:
     def copied(self, run: Run) -> None:
         with self._lock:
             self.bytes_copied += run.length
-            self.copies += 1
+            self.copies += -(-run.length // multipart.MAX_COPY_PART_SIZE)  # UploadPartCopy requests
 
     def wrote(self, source: str, etag: str | None, results: Sequence, plan: ObjectPlan) -> None:
         """A finished shard object (``source``, ``etag``), its write results (``shard_writing.ChecksummedWriteResult``) in ``plan``'s order.
@@ -172,7 +181,9 @@ class IncrementalState:
         with self._lock:
             self._written.update(items)
 
-    def loaded(self, digests: dict[MetadataIndex, bytes], storage_data: dict, checksums: dict[MetadataIndex, int], location) -> None:
+    def loaded(
+        self, digests: dict[MetadataIndex, bytes], storage_data: dict, checksums: dict[MetadataIndex, int], location, etags: dict[str, str]
+    ) -> None:
         """After a load of a committed step (a restart): its items this rank read become the base of the next save.
 
         ``digests``: the hash of each stored tensor as the reader parsed
@@ -180,15 +191,18 @@ class IncrementalState:
         so a tensor the next save stages unchanged is known to be exactly
         what that step stores, whatever the state dict did with it since.
         ``location``: a shard's relative path to ``ObjectStore.location``.
-        The ETags the objects had when written are not known here: the
-        first copy from each object takes the one its HEAD reports.
+        ``etags``: each shard's ETag as the load's reads saw it
+        (``ObjectStore.read_etags``), so a source changed since the load is
+        not copied from; a shard this rank did not read (a peer read it
+        for it, ``read_once``) is taken as its first HEAD finds it.
         """
         base = {}
         for index, digest in digests.items():
             info, crc32 = storage_data.get(index), checksums.get(index)
             if info is not None and crc32 is not None:
                 base[index] = StoredItem(
-                    digest, location(info.relative_path), None, info.offset, info.length, crc32, info.transform_descriptors
+                    digest, location(info.relative_path), etags.get(info.relative_path), info.offset, info.length, crc32,
+                    info.transform_descriptors,
                 )
         with self._lock:
             self._base, self._written = base, {}

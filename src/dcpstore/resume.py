@@ -133,6 +133,7 @@ class Resume:
                 # dcp.load warns whenever no_dist is set; a single process is intended here.
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(state_dict, storage_reader=reader, process_group=self.coll.group, no_dist=not self.coll.enabled)
+            read_etags = dict(reader.store.read_etags) if incremental else {}
         except CheckpointException as e:
             failures = {rank: wrapped[0] for rank, wrapped in e.failures.items()}
             raise CheckpointLoadError(self.step_url(step), step, failures) from failures[min(failures)]
@@ -148,7 +149,7 @@ class Resume:
             prefix = self.naming.prefix(step)
             self.writer.incremental.loaded(
                 reader.stored_digests, metadata.storage_data, planner_data.read_checksums(metadata),
-                lambda path: self.store.location(f"{prefix}/{path}"),
+                lambda path: self.store.location(f"{prefix}/{path}"), read_etags,
             )
         if share is not None:
             if share.template_of is not None:

@@ -69,7 +69,7 @@ from .staging import StagedItems, StagingPool
 from .metadata_builder import MetadataBuilder
 from .persisted_plans import PersistedPlans, attach_local_plan
 from .shard_writing import ChecksummedWriteResult, caller_streams, on_streams, plan_object, write_items
-from .storage import ObjectStore, StoreOwner, ThrottleClock, TransferConfig, check_keywords, is_store_url
+from .storage import CopyInterrupted, ObjectStore, StoreOwner, ThrottleClock, TransferConfig, check_keywords, is_store_url
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class _CommitPrefix(_StoragePrefix):
     """
 
     nonce: str = ""
+    save: int = 0  # the coordinator's count of saves (``reset``s): a rank takes the nonce only if it counts the same
 
 
 class _StagedStateDict(dict):
@@ -198,6 +199,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self.commit_window = commit_window
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._store: ObjectStore | None = None
+        self._saves = 0  # resets: under plain dcp.save, one a save on every rank (see _CommitPrefix)
         self._free_staging: list[StagingPool] = []  # for dcp.async_save: pools no staged copy holds now
         # Builds .metadata (in full, or patched from the last one) and the resume index; kept across saves.
         self.builder = MetadataBuilder(checksums)
@@ -262,6 +264,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self.put_deadline: float | None = None
         self._index_key: str | None = None  # the resume index finish() wrote, deleted with the shards if not committed
         self._index_tags: dict[str, str] = {}  # what names that index on the commit (x-amz-meta)
+        self._saves += 1
         self._commit_nonce = self.save_id  # the coordinator's, from the plan (see _CommitPrefix)
         if self.incremental is not None:
             self.incremental.begin()
@@ -291,7 +294,10 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self.plans.from_global_step(plans)
         if self.overwrite:
             self.destination.read_replaced(self.store)
-        return [dataclasses.replace(plan, storage_data=_CommitPrefix(f"__{rank}_", self.save_id)) for rank, plan in enumerate(plans)]
+        return [
+            dataclasses.replace(plan, storage_data=_CommitPrefix(f"__{rank}_", self.save_id, self._saves))
+            for rank, plan in enumerate(plans)
+        ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self.is_coordinator:
@@ -299,8 +305,9 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         # A cached final plan (torch's plan caching) may carry any earlier
         # prefix; only the rank part of it is used.
         prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{self.rank}_"
-        if isinstance(plan.storage_data, _CommitPrefix) and plan.storage_data.nonce:
-            self._commit_nonce = plan.storage_data.nonce  # a cached plan's is an earlier save's: then only save_id can match
+        if isinstance(plan.storage_data, _CommitPrefix) and plan.storage_data.save == self._saves:
+            # This save's: a plan torch cached carries the nonce of the save that made it.
+            self._commit_nonce = plan.storage_data.nonce
         shard_generation = generation(self.save_id)
         # Bytes items last in each shard: one whose pickled size changes moves no tensor's offset.
         buckets = [
@@ -321,12 +328,15 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
             with on_streams(cuda_streams):
                 copies = self.incremental is not None and self.store.server_side_copy
                 plan = plan_object(items, planner, self.incremental) if copies else None
-                with self.store.open_writer(name) as stream:
-                    results = write_items(stream, name, items, planner, self.transforms, plan)
+                try:
+                    with self.store.open_writer(name) as stream:
+                        results = write_items(stream, name, items, planner, self.transforms, plan)
+                except CopyInterrupted as e:  # aborted with its upload: written again, every byte sent
+                    logger.warning("%s; writing the object again without copies", e)
+                    with self.store.open_writer(name) as stream:
+                        results = write_items(stream, name, items, planner, self.transforms)
             if plan is not None:
-                # A single PUT's answer is not kept, and Ceph RGW 16.2 completes an upload with an empty ETag: one HEAD then.
-                etag = stream.etag or self.store.head(name).etag
-                self.incremental.wrote(self.store.location(name), etag, results, plan)
+                self.incremental.wrote(self.store.location(name), self._etag_of(name, stream), results, plan)
             return results
 
         if self._executor is None:
@@ -349,6 +359,21 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         out: Future[list[WriteResult]] = Future()
         out.set_result(results)
         return out
+
+    def _etag_of(self, name: str, stream) -> str | None:
+        """The ETag of the shard ``stream`` wrote (``incremental``); ``None`` if it cannot be known, and its items are not copied from.
+
+        Ceph RGW 16.2 completes an upload with an empty ETag: then one HEAD,
+        whose failure costs the next save its copies from this object, not
+        this save.
+        """
+        if stream.etag is not None:
+            return stream.etag
+        try:
+            return self.store.head(name).etag
+        except Exception as e:  # noqa: BLE001 - bookkeeping for the next save only
+            logger.info("%s: its ETag could not be read (%s); the next save sends its items", self.store.url_for(name), e)
+            return None
 
     def _shard_name(self, prefix: str, n: int, generation: str) -> str:
         """Shard ``n`` of the rank whose names start with ``prefix``, under its hashed sub-prefix when ``key_spread`` > 1.

@@ -21,7 +21,7 @@ Layers, top down; every import points down, none runs back up:
   ``config``: ``TransferConfig`` and ``RetryPolicy``.
 """
 
-from .base import MultipartUploadInfo, ObjectHead, ObjectInfo, ObjectStore, ObjectWriter, Tries
+from .base import CopyInterrupted, MultipartUploadInfo, ObjectHead, ObjectInfo, ObjectStore, ObjectWriter, Tries
 from .config import RetryPolicy, TransferConfig
 from .local import LocalObjectStore
 from .registry import StoreOwner, check_keywords, is_store_url, normalize_url, open_store
@@ -30,6 +30,7 @@ from .throttle import ThrottleClock
 from .translate import is_retryable, translate_error
 
 __all__ = [
+    "CopyInterrupted",
     "LocalObjectStore",
     "MultipartUploadInfo",
     "ObjectHead",

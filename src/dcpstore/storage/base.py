@@ -105,6 +105,8 @@ class ObjectStore:
         # run out: a save's one budget for throttling, shards and .metadata
         # alike, set by ``ObjectStoreWriter.write_data`` (see ``throttle.ThrottleClock``).
         self.save_throttle = None  # a throttle.ThrottleClock (throttle is the layer above this one)
+        #: The ETag each object had when this store last read a range of it, where the store has ETags (S3).
+        self.read_etags: dict[str, str] = {}
 
     @classmethod
     def connect(cls, url: str, storage_options: dict[str, Any], transfer) -> tuple[Any, str]:
@@ -407,6 +409,10 @@ def refuse_unless_condition_holds(url: str, current: str | None, if_none_match: 
         raise ConditionalWriteError(f"{url}: object {state}")
 
 
+class CopyInterrupted(Exception):
+    """A ``copy_range`` failed after some of its bytes were appended: the object must be written again, without copies."""
+
+
 class ObjectWriter:
     """A write-only, append-only object stream (what ``torch.save`` writes into)."""
 
@@ -435,7 +441,10 @@ class ObjectWriter:
         ``etag`` (``None``: whatever it is now).  ``False`` (nothing appended) when it cannot: this store
         has no server-side copy (the default), the range cannot form whole
         parts here, the source is gone or changed, or the copy failed after
-        its retries.  The caller then writes the bytes itself.
+        its retries.  The caller then writes the bytes itself.  A range
+        copied in several requests whose later one fails raises
+        ``CopyInterrupted``: some bytes are appended, so the caller aborts
+        the object and writes it again.
         """
         return False
 

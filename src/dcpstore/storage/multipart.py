@@ -23,7 +23,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ObjectNotFoundError
-from .base import ObjectWriter, Tries
+from .base import CopyInterrupted, ObjectWriter, Tries
 from .body import Segments
 from .config import MiB
 
@@ -42,7 +42,7 @@ MAX_COPY_PART_SIZE = 5 * 1024 * MiB
 
 
 class PartStore(Protocol):
-    """What a multipart upload needs of its store (``S3ObjectStore``): its request loop, its single PUT, its aborts.
+    """What a multipart upload needs of its store (``S3ObjectStore``): its request loop and its aborts.
 
     Named here so that this module does not import the store it serves.
     """
@@ -54,7 +54,6 @@ class PartStore(Protocol):
     def _submit(self, coro) -> concurrent.futures.Future: ...
     def _run(self, coro) -> Any: ...
     async def _call(self, op: str, key: str, method: str, **kwargs) -> Any: ...
-    def put(self, key: str, data, **options) -> None: ...
     async def _list_uploads(self, prefix: str, folder: bool = True) -> list[MultipartUploadInfo]: ...
     async def _abort(self, key: str, upload_id: str, *, in_save: bool = True) -> None: ...
     def abort_upload(self, key: str, upload_id: str) -> None: ...
@@ -138,18 +137,20 @@ class MultipartObjectWriter(ObjectWriter):
         return self._pos
 
     def copy_range(self, source: str, start: int, length: int, etag: str | None) -> bool:
-        """Append a range of ``source`` as one part the server copies (``UploadPartCopy``); see ``ObjectWriter.copy_range``.
+        """Append a range of ``source`` as parts the server copies (``UploadPartCopy``); see ``ObjectWriter.copy_range``.
 
         Every part but the last must hold 5 MiB, and a copied one at most
-        5 GiB, so a range outside those bounds is refused, and so is any
-        range while the part being filled holds some bytes but fewer than
-        5 MiB: the caller writes more first.  The source is checked by one
-        HEAD per source and writer (size and ETag; S3 also enforces
+        5 GiB: a range shorter than 5 MiB is refused, a longer one than
+        5 GiB is copied as several equal parts, and any range is refused
+        while the part being filled holds some bytes but fewer than 5 MiB
+        (the caller writes more first).  The source is checked by one HEAD
+        per source and writer (size and ETag; S3 also enforces
         ``CopySourceIfMatch``, which moto and Ceph RGW 16.2 ignore).  The
-        copy is made on the caller's thread, retried as any request, so a
-        refused or failed one leaves the object as it was.
+        copies are made on the caller's thread, each retried as any request:
+        a first one that fails leaves the object as it was; a later one
+        raises ``CopyInterrupted``.
         """
-        if not MIN_PART_SIZE <= length <= MAX_COPY_PART_SIZE or 0 < self._pending < MIN_PART_SIZE:
+        if length < MIN_PART_SIZE or 0 < self._pending < MIN_PART_SIZE:
             return False
         etag = self._source_etag(source, start + length, etag)
         if etag is None:
@@ -159,23 +160,29 @@ class MultipartObjectWriter(ObjectWriter):
         if self._upload_id is None:
             self._upload_id = self._store._run(self._create_upload())
         source_bucket, _, source_key = source.partition("/")
-        span = f"bytes={start}-{start + length - 1}"
-        try:
-            resp = self._store._run(
-                self._store._call(
-                    "COPY-PART", self._key, "upload_part_copy",
-                    Bucket=self._bucket, Key=self._path, UploadId=self._upload_id, PartNumber=len(self._parts) + 1,
-                    CopySource={"Bucket": source_bucket, "Key": source_key}, CopySourceRange=span, CopySourceIfMatch=etag,
+        parts = -(-length // MAX_COPY_PART_SIZE)
+        bounds = [start + length * k // parts for k in range(parts + 1)]
+        for k, (first, end) in enumerate(zip(bounds, bounds[1:])):
+            span = f"bytes={first}-{end - 1}"
+            try:
+                resp = self._store._run(
+                    self._store._call(
+                        "COPY-PART", self._key, "upload_part_copy",
+                        Bucket=self._bucket, Key=self._path, UploadId=self._upload_id, PartNumber=len(self._parts) + 1,
+                        CopySource={"Bucket": source_bucket, "Key": source_key}, CopySourceRange=span, CopySourceIfMatch=etag,
+                    )
                 )
-            )
-        except Exception as e:  # noqa: BLE001 - the caller sends the bytes instead
-            logger.warning("%s: could not copy %s of %s (%s); sending the bytes", self._store.url_for(self._key), span, source, e)
-            self._sources[source] = None
-            return False
-        copied: concurrent.futures.Future = concurrent.futures.Future()
-        copied.set_result({"ETag": resp["CopyPartResult"]["ETag"]})
-        self._parts.append(copied)
-        self._pos += length
+                part_etag = resp["CopyPartResult"]["ETag"]
+            except Exception as e:  # noqa: BLE001 - the caller sends the bytes instead
+                self._sources[source] = None
+                if k:
+                    raise CopyInterrupted(f"{self._store.url_for(self._key)}: copying {span} of {source} failed after {k} of {parts} parts: {e}") from e
+                logger.warning("%s: could not copy %s of %s (%s); sending the bytes", self._store.url_for(self._key), span, source, e)
+                return False
+            copied: concurrent.futures.Future = concurrent.futures.Future()
+            copied.set_result({"ETag": part_etag})
+            self._parts.append(copied)
+            self._pos += end - first
         return True
 
     def _source_etag(self, source: str, end: int, etag: str | None) -> str | None:
@@ -257,7 +264,11 @@ class MultipartObjectWriter(ObjectWriter):
             if self._upload_id is None and (len(self._pieces) == 0 or self._pending <= self._store.transfer.multipart_threshold):
                 body, buf, owners = self._take_part() if self._pending else (b"", None, [])
                 try:
-                    self._store.put(self._key, body)
+                    # The store's unconditional single PUT, whose answer holds the ETag.
+                    resp = self._store._run(
+                        self._store._call("PUT", self._key, "put_object", body=body, Bucket=self._bucket, Key=self._path)
+                    )
+                    self.etag = resp.get("ETag") or None
                 finally:
                     if buf is not None:
                         self._pool.give_back(buf)

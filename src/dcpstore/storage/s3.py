@@ -174,6 +174,8 @@ class S3ObjectStore(S3Requests):
                 Bucket=bucket, Key=path, Range=f"bytes={lo}-{hi - 1}",
             )
             self._check_range_length(key, lo, hi, resp["Body"])
+            if resp.get("ETag"):
+                self.read_etags[key] = resp["ETag"]
 
         step = self.transfer.part_size if end - start > 2 * self.transfer.part_size else end - start
         parts = [asyncio.ensure_future(fetch(lo, min(lo + step, end))) for lo in range(start, end, step)]
