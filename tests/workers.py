@@ -197,6 +197,11 @@ def checkpointer_killed_mid_upload(rank, world_size, root, proxy_endpoint):
     ckpt.save(sd, step=1)
     ckpt.wait()
     sd["model"]["replicated"].add_(5)
+    return _save_step_2_and_kill_rank_1(ckpt, rank, sd)
+
+
+def _save_step_2_and_kill_rank_1(ckpt, rank, sd):
+    """Save ``sd`` as step 2 and SIGKILL rank 1 during its (slowed) upload; the survivors' error message."""
     ckpt.save(sd, step=2)
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -589,14 +594,7 @@ def checkpointer_incremental_killed(rank, world_size, root, proxy_endpoint):
     )
     ckpt.save(_incremental_state(mesh, 1), step=1)
     ckpt.wait()
-    ckpt.save(_incremental_state(mesh, 2), step=2)
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        ckpt.wait(timeout=60)
-    except dcpstore.CheckpointSaveError as e:
-        return str(e)
-    return None
+    return _save_step_2_and_kill_rank_1(ckpt, rank, _incremental_state(mesh, 2))
 
 
 def checkpointer_incremental_resume(rank, world_size, root):
