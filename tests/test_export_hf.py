@@ -140,3 +140,13 @@ def test_a_killed_exports_shards_go_to_gc_and_a_committed_export_stays(bucket, s
     wait_until_older_than(store, 1)
     assert main(["gc", store.url, "--grace", "1"]) == 0
     assert keys("exports/killed/") == [] and keys("exports/done/") == done
+
+
+def test_a_128_mib_model_in_40_mb_shards_exports_within_200_mib_of_a_bare_process(bucket):
+    """Peak RSS of a fresh process that imported dcpstore and torch, above its own after the imports (VmHWM, reset)."""
+    from benchmarks.hf_export import run_child, save_step
+
+    src = f"s3://{bucket}/run/step_00000001"
+    save_step(src, 128)
+    measured = run_child("export-hf", src, f"s3://{bucket}/hf", "40MB")
+    assert measured["peak_rss_mib"] <= 200, measured
