@@ -2,8 +2,10 @@
 
     python -m benchmarks.hf_export                           # 1 GiB model, 5 GB shards, 3 rounds
     python -m benchmarks.hf_export --size-mib 128 --max-shard-size 40MB --rounds 1   # quick
+    eval "$(bash scripts/ceph_rgw.sh env)" && python -m benchmarks.hf_export --endpoint "$AWS_ENDPOINT_URL"  # a real server
 
-A moto server on loopback holds one committed step of a model of
+A moto server on loopback (``--endpoint URL``: an external S3 server, such
+as the Ceph RGW of scripts/ceph_rgw.sh) holds one committed step of a model of
 ``--size-mib`` (float32 and bfloat16 matrices, written by one process with
 ``ObjectStoreWriter``).  Each contender then runs in a fresh Python process
 that has imported dcpstore and torch and nothing more, interleaved, for
@@ -150,7 +152,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-shard-size", default="5GB")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--endpoint", help="an S3 server to use instead of a local moto (credentials from the AWS environment)")
     args = parser.parse_args(argv)
+    import contextlib
     import warnings
 
     import boto3
@@ -161,10 +165,11 @@ def main(argv=None) -> int:
     os.environ.update({k: os.environ.get(k, v) for k, v in TEST_CREDENTIALS.items()})
     os.makedirs(args.out, exist_ok=True)
     samples: dict[str, list[dict]] = {"export-hf": [], "load, save_file, upload": []}
-    with MotoServer() as server:
-        os.environ["AWS_ENDPOINT_URL"] = server.endpoint
+    with contextlib.nullcontext() if args.endpoint else MotoServer() as server:
+        endpoint = args.endpoint or server.endpoint
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
         bucket = f"hf-export-{uuid.uuid4().hex[:8]}"
-        s3 = boto3.client("s3", endpoint_url=server.endpoint)
+        s3 = boto3.client("s3", endpoint_url=endpoint)
         s3.create_bucket(Bucket=bucket)
         src = f"s3://{bucket}/run/step_00000001"
         save_step(src, args.size_mib)
@@ -187,6 +192,7 @@ def main(argv=None) -> int:
         "size_mib": args.size_mib,
         "max_shard_size": args.max_shard_size,
         "rounds": args.rounds,
+        "server": args.endpoint or "moto (local)",
         "summary": summary,
     }
     with open(os.path.join(args.out, "hf_export.json"), "w") as f:
