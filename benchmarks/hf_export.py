@@ -31,8 +31,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 import uuid
+
+from benchmarks.report import write_report
 
 MiB = 1 << 20
 
@@ -186,21 +187,7 @@ def main(argv=None) -> int:
         "routes": routes,
         "ratios_export_vs_alternative": {key: ours[key] / theirs[key] for key in ours if theirs[key]},
     }
-    result = {
-        "command": "python -m benchmarks.hf_export " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d"),
-        "size_mib": args.size_mib,
-        "max_shard_size": args.max_shard_size,
-        "rounds": args.rounds,
-        "server": args.endpoint or "moto (local)",
-        "summary": summary,
-    }
-    with open(os.path.join(args.out, "hf_export.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    try:
-        plot(summary, os.path.join(args.out, "hf_export.png"))
-    except ImportError:
-        pass
+    write_report(args.out, "hf_export", argv, {"size_mib": args.size_mib, "max_shard_size": args.max_shard_size, "rounds": args.rounds, "server": args.endpoint or "moto (local)"}, summary, plot)
     for route, row in routes.items():
         print(f"{route:>24}: wall {row['wall_s']:.2f} s  CPU {row['cpu_s']:.2f} s  peak RSS +{row['peak_rss_mib']:.0f} MiB")
     ratios = summary["ratios_export_vs_alternative"]

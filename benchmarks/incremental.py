@@ -25,7 +25,6 @@ Writes ``incremental.json`` and ``incremental.png`` into ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -36,6 +35,8 @@ import psutil
 import torch
 
 from benchmarks.run import RequestCounter
+
+from benchmarks.report import write_report
 
 MiB = 1 << 20
 TENSORS = 16
@@ -159,20 +160,7 @@ def main(argv=None) -> int:
         row["client_cpu_incremental_vs_full"] = row["incremental"]["client_cpu_s"] / row["full"]["client_cpu_s"]
         cases[case] = row
     summary = {"cases": cases, "hash_cpu_s_per_gib": hash_cost(min(args.size_mib, 256))}
-    result = {
-        "command": "python -m benchmarks.incremental " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d"),
-        "size_mib": args.size_mib,
-        "rounds": args.rounds,
-        "server": args.endpoint or "moto (local)",
-        "summary": summary,
-    }
-    with open(os.path.join(args.out, "incremental.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    try:
-        plot(summary, os.path.join(args.out, "incremental.png"))
-    except ImportError:
-        pass
+    write_report(args.out, "incremental", argv, {"size_mib": args.size_mib, "rounds": args.rounds, "server": args.endpoint or "moto (local)"}, summary, plot)
     for case, row in cases.items():
         full, inc = row["full"], row["incremental"]
         print(

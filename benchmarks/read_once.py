@@ -41,6 +41,8 @@ import uuid
 
 import torch
 
+from benchmarks.report import write_report
+
 LAYOUTS = ("replicated", "hsdp", "sharded")
 MODES = ("alone", "read_once")
 
@@ -262,20 +264,7 @@ def main(argv=None) -> int:
             print("a rank failed", file=sys.stderr)
             return 1
         summary = summarize(gathered, stored_bytes(root), args.rounds)
-    result = {
-        "command": "python -m benchmarks.read_once " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d"),
-        "world_size": args.world_size,
-        "size_mib": args.size_mib,
-        "rounds": args.rounds,
-        "summary": summary,
-    }
-    with open(os.path.join(args.out, "read_once.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    try:
-        plot(summary, os.path.join(args.out, "read_once.png"))
-    except ImportError:
-        pass
+    write_report(args.out, "read_once", argv, {"world_size": args.world_size, "size_mib": args.size_mib, "rounds": args.rounds}, summary, plot)
     for layout, row in summary.items():
         print(
             f"{layout:>10}: bytes read / stored  alone {row['alone']['bytes_read_vs_stored']:.2f}x  read_once {row['read_once']['bytes_read_vs_stored']:.2f}x;"
