@@ -46,8 +46,6 @@ import torch
 import xxhash
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from .storage import multipart
-
 
 def content_digest(tensor: torch.Tensor) -> bytes | None:
     """A 128-bit hash of a tensor's dtype, shape and bytes (contiguous, on the CPU).
@@ -92,7 +90,7 @@ class Run:
     stored: list[StoredItem]  # where each lay
 
     @property
-    def source(self) -> StoredItem:
+    def first(self) -> StoredItem:
         return self.stored[0]
 
     @property
@@ -125,9 +123,9 @@ class ObjectPlan:
         self.runs = sorted((Run(run, [base[i] for i in run]) for run in runs), key=lambda run: -run.length)
         self.to_send = [i for i, stored in enumerate(base) if stored is None]
 
-    def copied(self, run: Run) -> None:
-        """``run`` was copied by the server."""
-        self._state.copied(run)
+    def copied(self, run: Run, requests: int) -> None:
+        """``run`` was copied by the server, in ``requests`` requests."""
+        self._state.copied(run, requests)
 
 
 class IncrementalState:
@@ -143,7 +141,7 @@ class IncrementalState:
         self._written: dict[MetadataIndex, StoredItem] = {}
         self._lock = threading.Lock()
         self.bytes_copied = 0  # by the current save: appended by the server instead of sent
-        self.copies = 0  # the copy requests that did it
+        self.copies = 0  # the copy requests (UploadPartCopy) that did it
 
     def begin(self) -> None:
         """A new save: nothing written, nothing copied yet."""
@@ -159,10 +157,10 @@ class IncrementalState:
             base.append(stored if stored is not None and stored.digest == digest else None)
         return ObjectPlan(self, digests, base)
 
-    def copied(self, run: Run) -> None:
+    def copied(self, run: Run, requests: int) -> None:
         with self._lock:
             self.bytes_copied += run.length
-            self.copies += -(-run.length // multipart.MAX_COPY_PART_SIZE)  # UploadPartCopy requests
+            self.copies += requests
 
     def wrote(self, source: str, etag: str | None, results: Sequence, plan: ObjectPlan) -> None:
         """A finished shard object (``source``, ``etag``), its write results (``shard_writing.ChecksummedWriteResult``) in ``plan``'s order.

@@ -166,14 +166,15 @@ def write_items(
     results: list[ChecksummedWriteResult | None] = [None] * len(items)  # in ``items``' order, whatever the order written
     for run in plan.runs:
         at = stream.tell()
-        if stream.copy_range(run.source.source, run.source.offset, run.length, run.source.etag):
-            plan.copied(run)
+        requests = stream.copy_range(run.first.source, run.first.offset, run.length, run.first.etag)
+        if requests:
+            plan.copied(run, requests)
             for i, stored in zip(run.items, run.stored):
                 results[i] = ChecksummedWriteResult(
                     index=items[i].index,
                     size_in_bytes=stored.length,
                     storage_data=_StorageInfo(
-                        relative_path, at + stored.offset - run.source.offset, stored.length,
+                        relative_path, at + stored.offset - run.first.offset, stored.length,
                         transform_descriptors=stored.descriptors,
                     ),
                     crc32=stored.crc32,
@@ -188,10 +189,7 @@ def write_items(
 
 def plan_object(items: list[WriteItem], planner: SavePlanner, incremental: IncrementalState) -> ObjectPlan:
     """Hash each tensor item of one shard object (on the upload thread: the staged copy) and find the runs it may copy."""
-    digests = [
-        None if item.type == WriteItemType.BYTE_IO else content_digest(_cpu_tensor(resolve_item(planner, item)))
-        for item in items
-    ]
+    digests = [None if item.type == WriteItemType.BYTE_IO else content_digest(resolve_item(planner, item)) for item in items]
     return incremental.plan([item.index for item in items], digests)
 
 

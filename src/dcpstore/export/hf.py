@@ -44,6 +44,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from ..commit import delete_quietly
 from ..errors import CheckpointExistsError
 from ..layout import HF_INDEX_KEY
 from ..reader import ObjectStoreReader
@@ -86,7 +87,13 @@ class _Tensor:
 
     @property
     def nbytes(self) -> int:
+        """In the export."""
         return torch.Size(self.shape).numel() * self.out_dtype.itemsize
+
+    @property
+    def stored_nbytes(self) -> int:
+        """As the step stores it, before any cast."""
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
 
 
 @dataclasses.dataclass
@@ -193,7 +200,8 @@ def export_hf(
             body = json.dumps(index, indent=2, sort_keys=True).encode() + b"\n"
             dst_store.put(INDEX_NAME, body, if_none_match=True)
         except BaseException:
-            _delete_quietly(dst_store, written)
+            # Best effort: what is left has no index beside it, and `dcpstore gc` reclaims it.
+            delete_quietly(dst_store, set(written), "shards of a failed export")
             raise
         return ExportResult(dst_store.url_for(INDEX_NAME), files, len(tensors), total, skipped)
     finally:
@@ -243,18 +251,10 @@ def _groups(shard: list[_Tensor], max_bytes: int) -> list[list[_Tensor]]:
     groups: list[list[_Tensor]] = []
     size = max_bytes
     for t in shard:
-        nbytes = torch.Size(t.shape).numel() * t.dtype.itemsize
-        if groups and size + nbytes <= max_bytes:
+        if groups and size + t.stored_nbytes <= max_bytes:
             groups[-1].append(t)
-            size += nbytes
+            size += t.stored_nbytes
         else:
             groups.append([t])
-            size = nbytes
+            size = t.stored_nbytes
     return groups
-
-
-def _delete_quietly(store: ObjectStore, files: list[str]) -> None:
-    try:
-        store.delete(files)
-    except Exception as e:  # noqa: BLE001 - gc reclaims them: they are named as shards, with no index beside them
-        logger.warning("%s: could not delete the shards of a failed export (%s); `dcpstore gc` reclaims them", store.url, e)

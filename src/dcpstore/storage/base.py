@@ -434,11 +434,11 @@ class ObjectWriter:
     def tell(self) -> int:
         raise NotImplementedError
 
-    def copy_range(self, source: str, start: int, length: int, etag: str | None) -> bool:
-        """Append bytes ``[start, start + length)`` of the object at ``source`` (``ObjectStore.location``) without sending them; whether it did.
+    def copy_range(self, source: str, start: int, length: int, etag: str | None) -> int:
+        """Append bytes ``[start, start + length)`` of the object at ``source`` (``ObjectStore.location``) without sending them; the copy requests that did.
 
         The server copies them, if the source still is the object tagged
-        ``etag`` (``None``: whatever it is now).  ``False`` (nothing appended) when it cannot: this store
+        ``etag`` (``None``: whatever it is now).  0 (nothing appended) when it cannot: this store
         has no server-side copy (the default), the range cannot form whole
         parts here, the source is gone or changed, or the copy failed after
         its retries.  The caller then writes the bytes itself.  A range
@@ -446,7 +446,7 @@ class ObjectWriter:
         ``CopyInterrupted``: some bytes are appended, so the caller aborts
         the object and writes it again.
         """
-        return False
+        return 0
 
     def close(self) -> None:
         """Finish the upload; the object exists once this returns."""

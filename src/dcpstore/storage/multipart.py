@@ -136,7 +136,7 @@ class MultipartObjectWriter(ObjectWriter):
     def tell(self) -> int:
         return self._pos
 
-    def copy_range(self, source: str, start: int, length: int, etag: str | None) -> bool:
+    def copy_range(self, source: str, start: int, length: int, etag: str | None) -> int:
         """Append a range of ``source`` as parts the server copies (``UploadPartCopy``); see ``ObjectWriter.copy_range``.
 
         Every part but the last must hold 5 MiB, and a copied one at most
@@ -151,10 +151,10 @@ class MultipartObjectWriter(ObjectWriter):
         raises ``CopyInterrupted``.
         """
         if length < MIN_PART_SIZE or 0 < self._pending < MIN_PART_SIZE:
-            return False
+            return 0
         etag = self._source_etag(source, start + length, etag)
         if etag is None:
-            return False
+            return 0
         if self._pending:
             self._flush_part()
         if self._upload_id is None:
@@ -178,12 +178,12 @@ class MultipartObjectWriter(ObjectWriter):
                 if k:
                     raise CopyInterrupted(f"{self._store.url_for(self._key)}: copying {span} of {source} failed after {k} of {parts} parts: {e}") from e
                 logger.warning("%s: could not copy %s of %s (%s); sending the bytes", self._store.url_for(self._key), span, source, e)
-                return False
+                return 0
             copied: concurrent.futures.Future = concurrent.futures.Future()
             copied.set_result({"ETag": part_etag})
             self._parts.append(copied)
             self._pos += end - first
-        return True
+        return parts
 
     def _source_etag(self, source: str, end: int, etag: str | None) -> str | None:
         """The ETag to copy ``source`` under: ``etag`` (or, if ``None``, the current one) if it holds ``end`` bytes; ``None`` if it cannot be copied from.
