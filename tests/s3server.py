@@ -4,7 +4,9 @@ Every test talks HTTP to a real moto server process (``dcpstore.local_s3``);
 nothing of dcpstore is mocked.  ``FaultProxy`` sits between a client and moto when a test needs the
 network to misbehave: it answers chosen requests with S3 errors (503
 SlowDown, 500, 403), delays them, cuts the connection before or after the
-server acted on them (a lost response), or cuts a response body short.
+server acted on them (a lost response), cuts a response body short, or
+damages a request body on its way in (and checks it against its
+``x-amz-checksum-crc32`` as AWS does: ``check_crc32``).
 ``ThrottleModel`` makes it answer like S3 under load: a request rate per
 partition of the key space, with 503 SlowDown for the excess.
 
@@ -16,6 +18,7 @@ completed), in listings and in HEAD and GET answers.
 
 from __future__ import annotations
 
+import base64
 import bisect
 import collections
 import dataclasses
@@ -28,6 +31,7 @@ import socket
 import threading
 import time
 import urllib.parse
+import zlib
 
 from dcpstore.local_s3 import MotoServer, free_port  # noqa: F401 - re-exported for tests
 
@@ -44,6 +48,7 @@ class Rule:
     truncate: bool = False  # forward, then send only half the response body
     short: bool = False  # forward, then answer with half the body under a Content-Length that says so
     corrupt: bool = False  # forward, then flip every bit of the body's middle byte (damage in transit)
+    corrupt_request: bool = False  # flip every bit of the request body's middle byte, then forward (damage on the way in)
     lands_after: float | None = None  # with status: answer at once, and forward the request this many seconds later
     hold: threading.Event | None = None  # wait for this event before acting (after any delay)
     after: int = 0  # let this many matching requests through first (fail the Nth attempt)
@@ -168,6 +173,8 @@ class FaultProxy:
         self.throttle: ThrottleModel | None = None  # S3's rate limit, applied to requests no rule faults
         # Enforce If-Match on CompleteMultipartUpload as AWS does (moto 5.2 ignores it there).
         self.if_match_on_completion = False
+        # Refuse a body that fails its x-amz-checksum-crc32 (400 BadDigest) as AWS does (moto 5.2 does not check).
+        self.check_crc32 = False
         self.aws_times = True  # report upload and multipart object times as AWS does (see the module docstring)
         self._initiated: dict[str, float] = {}  # upload id -> when CreateMultipartUpload was answered
         self._began: dict[str, float] = {}  # "/bucket/key" -> when the upload that wrote the object began
@@ -206,10 +213,14 @@ class FaultProxy:
                 with proxy._lock:
                     proxy.headers.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
                 rule = self.rule = proxy._match(self.command, self.path)
+                if rule is not None and rule.corrupt_request and body:
+                    body = body[: len(body) // 2] + bytes([body[len(body) // 2] ^ 0xFF]) + body[len(body) // 2 + 1 :]
                 if rule is None and not proxy._admit(self.command, self.path):
                     rule = Rule(self.command, re.compile(""), status=503, code="SlowDown")
                 if rule is None and proxy.if_match_on_completion and not proxy._completion_matches(self):
                     rule = Rule(self.command, re.compile(""), status=412, code="PreconditionFailed")
+                if (rule is None or rule.corrupt_request) and proxy.check_crc32 and not proxy._crc32_matches(self, body):
+                    rule = Rule(self.command, re.compile(""), status=400, code="BadDigest")
                 if rule is not None and rule.delay:
                     time.sleep(rule.delay)
                 if rule is not None and rule.hold is not None:
@@ -361,10 +372,17 @@ class FaultProxy:
             return False
         return etag.strip('"') == wanted.strip('"')
 
+    @staticmethod
+    def _crc32_matches(handler, body: bytes) -> bool:
+        """False for a request whose ``x-amz-checksum-crc32`` is not the CRC32 of the body that arrived."""
+        wanted = handler.headers.get("x-amz-checksum-crc32")
+        return wanted is None or base64.b64decode(wanted) == zlib.crc32(body).to_bytes(4, "big")
+
     def clear(self) -> None:
         with self._lock:
             self.throttle = None
             self.if_match_on_completion = False
+            self.check_crc32 = False
             self.aws_times = True
             self.rules.clear()
             self.requests.clear()

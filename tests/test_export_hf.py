@@ -4,13 +4,16 @@ Every export is loaded back with ``safetensors.torch.load_file``, the
 library transformers and vLLM use, into tensors equal to the full state.
 """
 
+import base64
 import json
+import zlib
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from dcpstore.cli import main
+from dcpstore.storage.config import MiB
 from dcpstore.export.hf import INDEX_NAME, export_hf, parse_size, plan_shards
 from dist_utils import run_ranks
 from workers import hf_model_tensors, save_hf_model
@@ -105,6 +108,36 @@ def test_a_corrupt_chunk_is_refused_and_leaves_no_export(bucket, s3, capsys):
     err = capsys.readouterr().err
     assert "checksum mismatch" in err and shards[-1].rsplit("/", 1)[1] in err
     assert "Contents" not in s3.list_objects_v2(Bucket=bucket, Prefix="hf/")  # no index, and the shards written are gone
+
+
+def test_every_shard_body_goes_with_its_crc32_and_one_damaged_on_the_way_is_sent_again(bucket, s3, proxy, tmp_path):
+    """The shards have no crc32 in any ``.metadata``: S3 checks each body against the CRC32 the export sends (the proxy checks as AWS does)."""
+    from benchmarks.hf_export import make_model, save_step
+
+    src = f"s3://{bucket}/run/step_00000001"
+    save_step(src, 40)  # one 40 MiB shard: three parts of 16 MiB, each a header or tensors lent as they lie
+    proxy.check_crc32 = True
+    damaged = proxy.add("PUT", r"[?&]partNumber=2(&|$)", corrupt_request=True, times=1)
+    export_hf(src, f"s3://{bucket}/hf", storage_options={"endpoint_url": proxy.endpoint})
+    assert damaged.hits == 1  # answered BadDigest, and the part sent again
+    parts = [h for method, path, h in proxy.headers if method == "PUT" and "uploadId=" in path]
+    assert len(parts) == 4 and all("x-amz-checksum-crc32" in h for h in parts)
+    download(s3, bucket, "hf", tmp_path / "big")
+    # The object keeps S3's composite checksum: the CRC32 of its parts' CRC32s (AWS appends "-3"; moto does not).
+    stored = (tmp_path / "big" / "model-00001-of-00001.safetensors").read_bytes()
+    crcs = b"".join(zlib.crc32(stored[k : k + 16 * MiB]).to_bytes(4, "big") for k in range(0, len(stored), 16 * MiB))
+    head = s3.head_object(Bucket=bucket, Key="hf/model-00001-of-00001.safetensors", ChecksumMode="ENABLED")
+    assert head["ChecksumCRC32"].split("-")[0] == base64.b64encode(zlib.crc32(crcs).to_bytes(4, "big")).decode()
+    got = exported(tmp_path / "big")
+    for name, t in make_model(40).items():
+        assert torch.equal(got[name], t), name
+
+    # A shard smaller than a part goes up as one PUT, with its CRC32 too.
+    run_ranks(save_hf_model, 2, f"s3://{bucket}/small", (2,))
+    proxy.headers.clear()
+    export_hf(f"s3://{bucket}/small/step_00000001", f"s3://{bucket}/hf-small", storage_options={"endpoint_url": proxy.endpoint})
+    puts = [h for method, path, h in proxy.headers if method == "PUT" and path.endswith(".safetensors")]
+    assert len(puts) == 1 and "x-amz-checksum-crc32" in puts[0]
 
 
 def test_an_export_is_refused_where_one_is_committed_unless_overwrite(bucket, tmp_path):

@@ -14,7 +14,9 @@ model:
   size and offsets are known before any data) and then each tensor's bytes,
   lent to the store's multipart writer without a copy, while the next
   read-ahead window of tensors is read.  ``safetensors.torch.save`` would
-  first make the whole shard one more ``bytes``.
+  first make the whole shard one more ``bytes``.  Each body goes with its CRC32,
+  which S3 checks and keeps with the object (``open_writer(crc32=True)``):
+  no ``.metadata`` crc32 covers a shard once it leaves the step.
 * **Commit** by the index, written last and conditionally, like
   ``.metadata``: until it is there, ``DST`` holds no model that any loader
   opens.  A new export refuses a folder that holds an index, unless
@@ -230,7 +232,7 @@ def _write_shard(reader: ObjectStoreReader, store: ObjectStore, file: str, shard
     it, alone); a tensor's bytes go to the writer lent, so its memory is
     freed once its parts are uploaded.
     """
-    with store.open_writer(file) as out:
+    with store.open_writer(file, crc32=True) as out:
         out.write(safetensors_header(shard))
         for group in _groups(shard, reader.readahead_bytes // 4):
             state = {t.fqn: torch.empty(t.shape, dtype=t.dtype) for t in group}

@@ -313,8 +313,15 @@ class ObjectStore:
         upload stays open behind a clean ``close()`` without a warning.
         """
 
-    def open_writer(self, key: str) -> "ObjectWriter":
-        """A write-only stream; the object appears when ``close()`` returns."""
+    def open_writer(self, key: str, *, crc32: bool = False) -> "ObjectWriter":
+        """A write-only stream; the object appears when ``close()`` returns.
+
+        ``crc32``: send each request body's CRC32, which an object store
+        checks against the bytes it receives (a body damaged on the way is
+        refused, and sent again) and keeps with the object.  For objects
+        that no ``.metadata`` crc32 covers (the Hugging Face export's
+        shards).  A local file has no hop to check: ignored here.
+        """
         return _BufferedObjectWriter(self, key)
 
     # -- implementation hooks ----------------------------------------------------

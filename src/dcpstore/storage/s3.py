@@ -380,7 +380,7 @@ class S3ObjectStore(S3Requests):
                     owner.url_for(key), upload_id, e, owner.url,
                 )
 
-    def open_writer(self, key: str) -> ObjectWriter:
-        return MultipartObjectWriter(self, key, self._connection.parts)
+    def open_writer(self, key: str, *, crc32: bool = False) -> ObjectWriter:
+        return MultipartObjectWriter(self, key, self._connection.parts, crc32=crc32)
 
 

@@ -37,6 +37,7 @@ _RETRYABLE_CODES = frozenset(
         "RequestLimitExceeded",
         "TooManyRequests",
         "ConditionalRequestConflict",
+        "BadDigest",  # the body arrived damaged (it fails its CRC32): the same bytes sent again may arrive whole
     }
 )
 _ACCESS_CODES = frozenset(
@@ -94,8 +95,9 @@ def may_have_taken_effect(exc: BaseException) -> bool:
 def is_retryable(exc: BaseException) -> bool:
     """Throttling, 5xx but 501, connection resets and timeouts are worth another try.
 
-    Decided by S3 error code first (``RequestTimeout`` is a 400, and a
-    ``ConditionalRequestConflict`` 409 asks the client to retry), then by
+    Decided by S3 error code first (``RequestTimeout`` and ``BadDigest``, a
+    body damaged on the way, are 400s, and a ``ConditionalRequestConflict``
+    409 asks the client to retry), then by
     status: 429 and 5xx other than 501 Not Implemented.  Every other 4xx
     would fail the same way again.
     """
