@@ -4,7 +4,8 @@
     python -m benchmarks.read_once --size-mib 8 --rounds 1   # quick
     python -m benchmarks.read_once --plan 8x512x2000    # the coordinator's planning at 4,096 ranks, simulated
 
-One moto server subprocess on loopback; W spawned gloo ranks save one state
+One moto server subprocess on loopback; W gloo ranks (spawned as torchrun
+starts them: ``benchmarks.ranks``) save one state
 in three layouts (``replicated``: DDP, every rank holds it all; ``hsdp``: a
 2 x W/2 mesh, ``[Replicate(), Shard(0)]``; ``sharded``: a 1-D mesh,
 ``Shard(0)``), then load each with ``dcp.load`` and ``ObjectStoreReader``,
@@ -35,12 +36,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 
 import torch
 
+from benchmarks.ranks import spawn_ranks
 from benchmarks.report import write_report
 
 LAYOUTS = ("replicated", "hsdp", "sharded")
@@ -88,7 +89,7 @@ def matches(sd: dict, want: dict) -> bool:
     return True
 
 
-def _rank_main(rank, world_size, init_file, endpoint, root, args, queue, server_pid) -> None:
+def _rank_main(rank, world_size, init_file, queue, endpoint, root, args, server_pid) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -125,10 +126,7 @@ def _rank_main(rank, world_size, init_file, endpoint, root, args, queue, server_
                     ok = matches(dests[layout], wants[layout])
                     rows.append((round_, layout, mode, seconds, reader.bytes_read, ok, cpu, server_cpu))
                     reader.close()
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, rows)
-        if rank == 0:
-            queue.put(gathered)
+        queue.put((rank, rows))
     finally:
         dist.destroy_process_group()
 
@@ -233,8 +231,6 @@ def main(argv=None) -> int:
         return 0
     if args.world_size < 2 or args.world_size % 2:
         parser.error("--world-size must be even (the hsdp layout is a 2 x W/2 mesh)")
-    import multiprocessing as mp
-
     import boto3
 
     from dcpstore.local_s3 import TEST_CREDENTIALS, MotoServer
@@ -246,24 +242,8 @@ def main(argv=None) -> int:
         boto3.client("s3", endpoint_url=server.endpoint).create_bucket(Bucket=bucket)
         root = f"s3://{bucket}/state"
         os.environ["AWS_ENDPOINT_URL"] = server.endpoint
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        fd, init_file = tempfile.mkstemp(prefix="gloo-")
-        os.close(fd)
-        os.unlink(init_file)
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, args.world_size, init_file, server.endpoint, root, args, queue, server.pid))
-            for r in range(args.world_size)
-        ]
-        for p in procs:
-            p.start()
-        gathered = queue.get()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            print("a rank failed", file=sys.stderr)
-            return 1
-        summary = summarize(gathered, stored_bytes(root), args.rounds)
+        per_rank = spawn_ranks(_rank_main, args.world_size, server.endpoint, root, args, server.pid)
+        summary = summarize([per_rank[r] for r in range(args.world_size)], stored_bytes(root), args.rounds)
     write_report(args.out, "read_once", argv, {"world_size": args.world_size, "size_mib": args.size_mib, "rounds": args.rounds}, summary, plot)
     for layout, row in summary.items():
         print(

@@ -84,7 +84,6 @@ def test_peak_rss_counts_memory_held_only_inside_the_block_without_a_thread():
     """The harness's memory meter sees a transient 64 MiB, and starts no thread that would contend for the GIL."""
     import threading
 
-    sys.path.insert(0, str(ROOT))
     from benchmarks.run import PeakRSS
 
     threads = threading.active_count()
@@ -100,7 +99,6 @@ def test_a_loads_destination_is_made_once_resident_and_apart_from_the_state_dict
     import psutil
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from benchmarks.run import KEPT, load_destination, make_state_dict, nbytes
 
     sd = make_state_dict(32 << 20, n_tensors=8)
@@ -117,3 +115,17 @@ def test_a_loads_destination_is_made_once_resident_and_apart_from_the_state_dict
                 assert kept.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()
     finally:
         KEPT.close()
+
+
+def test_benchmark_ranks_start_as_torchrun_starts_them_and_a_dead_rank_is_named(monkeypatch):
+    """One intra-op thread a rank unless the environment says otherwise (torchrun's rule); a rank that dies fails the run."""
+    from benchmarks.ranks import spawn_ranks
+    from workers import report_intra_op_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert spawn_ranks(report_intra_op_threads, 2) == {0: ("1", 1), 1: ("1", 1)}
+    assert "OMP_NUM_THREADS" not in os.environ  # the benchmark's own process is left as it was
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert spawn_ranks(report_intra_op_threads, 2)[1] == ("2", 2)
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] failed"):
+        spawn_ranks(report_intra_op_threads, 2, 3)

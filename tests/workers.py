@@ -650,3 +650,10 @@ def export_hf_killed_after_first_shard(rank, world_size, src, dst):
     from dcpstore.export.hf import export_hf
 
     export_hf(src, dst, max_shard_size="4KiB", progress=lambda file: os.kill(os.getpid(), signal.SIGKILL))
+
+
+def report_intra_op_threads(rank, world_size, init_file, queue, exit_code_of_rank_1=None):
+    """A benchmark rank (``benchmarks.ranks.spawn_ranks``) that reports the intra-op threads torch gives it, or dies first."""
+    if rank == 1 and exit_code_of_rank_1 is not None:
+        os._exit(exit_code_of_rank_1)
+    queue.put((rank, (os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads())))
