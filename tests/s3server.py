@@ -173,8 +173,10 @@ class FaultProxy:
         self.throttle: ThrottleModel | None = None  # S3's rate limit, applied to requests no rule faults
         # Enforce If-Match on CompleteMultipartUpload as AWS does (moto 5.2 ignores it there).
         self.if_match_on_completion = False
-        # Refuse a body that fails its x-amz-checksum-crc32 (400 BadDigest) as AWS does (moto 5.2 does not check).
+        # Refuse a body that fails its x-amz-checksum-crc32 (400 BadDigest), and a completion that does not list
+        # each such part's checksum (400 InvalidPart), as AWS does (moto 5.2 checks neither).
         self.check_crc32 = False
+        self._part_crc32s: dict[tuple[str, str], str] = {}  # (upload id, part number) -> the checksum its part came with
         self.aws_times = True  # report upload and multipart object times as AWS does (see the module docstring)
         self._initiated: dict[str, float] = {}  # upload id -> when CreateMultipartUpload was answered
         self._began: dict[str, float] = {}  # "/bucket/key" -> when the upload that wrote the object began
@@ -221,6 +223,8 @@ class FaultProxy:
                     rule = Rule(self.command, re.compile(""), status=412, code="PreconditionFailed")
                 if (rule is None or rule.corrupt_request) and proxy.check_crc32 and not proxy._crc32_matches(self, body):
                     rule = Rule(self.command, re.compile(""), status=400, code="BadDigest")
+                if rule is None and proxy.check_crc32 and not proxy._completion_lists_crc32s(self, body):
+                    rule = Rule(self.command, re.compile(""), status=400, code="InvalidPart")
                 if rule is not None and rule.delay:
                     time.sleep(rule.delay)
                 if rule is not None and rule.hold is not None:
@@ -250,6 +254,11 @@ class FaultProxy:
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
                 resp, data = proxy._forward(self.command, self.path, body, headers)
                 data, last_modified = proxy._as_aws_reports(self.command, self.path, body, resp.status, data)
+                if self.command == "PUT" and resp.status == 200 and self.headers.get("x-amz-checksum-crc32"):
+                    query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+                    if "uploadId" in query:
+                        with proxy._lock:
+                            proxy._part_crc32s[(query["uploadId"][0], query["partNumber"][0])] = self.headers["x-amz-checksum-crc32"]
                 if rule is not None and rule.drop_response:
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
@@ -378,11 +387,27 @@ class FaultProxy:
         wanted = handler.headers.get("x-amz-checksum-crc32")
         return wanted is None or base64.b64decode(wanted) == zlib.crc32(body).to_bytes(4, "big")
 
+    def _completion_lists_crc32s(self, handler, body: bytes) -> bool:
+        """False for a CompleteMultipartUpload that leaves out, or misstates, the checksum a part came with."""
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(handler.path).query)
+        if handler.command != "POST" or "uploadId" not in query:
+            return True
+        upload = query["uploadId"][0]
+        for part in re.findall(rb"<Part>(.*?)</Part>", body, re.DOTALL):
+            number = re.search(rb"<PartNumber>(\d+)</PartNumber>", part).group(1).decode()
+            listed = re.search(rb"<ChecksumCRC32>([^<]*)</ChecksumCRC32>", part)
+            with self._lock:
+                sent = self._part_crc32s.get((upload, number))
+            if sent is not None and (listed is None or listed.group(1).decode() != sent):
+                return False
+        return True
+
     def clear(self) -> None:
         with self._lock:
             self.throttle = None
             self.if_match_on_completion = False
             self.check_crc32 = False
+            self._part_crc32s.clear()
             self.aws_times = True
             self.rules.clear()
             self.requests.clear()

@@ -5,7 +5,7 @@
     dcpstore verify URI [--deep]             exit 1 on any problem, naming the object
     dcpstore gc s3://bucket/run-7 [--keep-last N] [--grace SECONDS] [--dry-run]
                                              (also a failed export's shards: dcpstore gc s3://bucket/hf)
-    dcpstore export-hf SRC DST [--max-shard-size 5GB] [--dtype bf16|fp16|fp32] [--prefix model.] [--overwrite]
+    dcpstore export-hf SRC DST [--max-shard-size 5GB] [--dtype bf16|fp16|fp32] [--prefix model.] [--overwrite] [--no-crc32]
                                              a step as Hugging Face safetensors shards and index
     dcpstore demo                            train, save, kill, resume on an embedded S3
 
@@ -252,7 +252,7 @@ def cmd_export_hf(args) -> int:
 
     result = export_hf(
         args.src, args.dst, max_shard_size=args.max_shard_size, dtype=args.dtype, prefix=args.prefix,
-        overwrite=args.overwrite, progress=lambda file: print(f"wrote {file}"),
+        overwrite=args.overwrite, crc32=args.crc32, progress=lambda file: print(f"wrote {file}"),
     )
     if result.skipped:
         print(f"skipped {len(result.skipped)} item(s) that are not tensors: {', '.join(result.skipped)}")
@@ -313,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None, help="cast floating-point tensors to this dtype")
     p.add_argument("--prefix", default="", help="strip this from the tensor names that start with it, e.g. model.")
     p.add_argument("--overwrite", action="store_true", help="replace an export already in DST")
+    p.add_argument("--no-crc32", dest="crc32", action="store_false",
+                   help="send no CRC32 with the shards' bodies, for S3-compatible servers that refuse x-amz-checksum-crc32")
     p.set_defaults(func=cmd_export_hf)
 
     p = sub.add_parser("demo", help="train a small model with async checkpoints, kill it, resume it")

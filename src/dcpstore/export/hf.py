@@ -15,8 +15,9 @@ model:
   lent to the store's multipart writer without a copy, while the next
   read-ahead window of tensors is read.  ``safetensors.torch.save`` would
   first make the whole shard one more ``bytes``.  Each body goes with its CRC32,
-  which S3 checks and keeps with the object (``open_writer(crc32=True)``):
-  no ``.metadata`` crc32 covers a shard once it leaves the step.
+  which S3 checks and keeps with the object (``open_writer(crc32=True)``;
+  ``crc32=False`` for servers that refuse the header): no ``.metadata``
+  crc32 covers a shard once it leaves the step.
 * **Commit** by the index, written last and conditionally, like
   ``.metadata``: until it is there, ``DST`` holds no model that any loader
   opens.  A new export refuses a folder that holds an index, unless
@@ -150,6 +151,7 @@ def export_hf(
     dtype: torch.dtype | str | None = None,
     prefix: str = "",
     overwrite: bool = False,
+    crc32: bool = True,
     storage_options: dict[str, Any] | None = None,
     dst_storage_options: dict[str, Any] | None = None,
     progress: Callable[[str], None] | None = None,
@@ -162,6 +164,9 @@ def export_hf(
             ``"fp32"`` or a ``torch.dtype``); other tensors keep theirs.
         prefix: stripped from the names that start with it (``"model."``).
         overwrite: replace an export already at ``dst``.
+        crc32: send each shard body's CRC32 for the server to check
+            (``ObjectStore.open_writer``); ``False`` for S3-compatible
+            servers that refuse the header.
         storage_options: for ``src``; ``dst_storage_options`` for ``dst``
             (default: the same).
         progress: called with each shard's file name once it is written.
@@ -193,7 +198,7 @@ def export_hf(
         written: list[str] = []
         try:
             for file, shard in zip(files, shards):
-                _write_shard(reader, dst_store, file, shard)
+                _write_shard(reader, dst_store, file, shard, crc32)
                 written.append(file)
                 if progress is not None:
                     progress(file)
@@ -225,14 +230,14 @@ def _claim(store: ObjectStore, overwrite: bool) -> None:
     store.delete([INDEX_NAME])
 
 
-def _write_shard(reader: ObjectStoreReader, store: ObjectStore, file: str, shard: list[_Tensor]) -> None:
+def _write_shard(reader: ObjectStoreReader, store: ObjectStore, file: str, shard: list[_Tensor], crc32: bool) -> None:
     """Stream ``shard`` into ``file``: its header, then its tensors, each group read from the step (checked) while the last one uploads.
 
     Groups hold up to the reader's read-ahead window (a tensor larger than
     it, alone); a tensor's bytes go to the writer lent, so its memory is
     freed once its parts are uploaded.
     """
-    with store.open_writer(file, crc32=True) as out:
+    with store.open_writer(file, crc32=crc32) as out:
         out.write(safetensors_header(shard))
         for group in _groups(shard, reader.readahead_bytes // 4):
             state = {t.fqn: torch.empty(t.shape, dtype=t.dtype) for t in group}

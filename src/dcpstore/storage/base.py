@@ -316,11 +316,12 @@ class ObjectStore:
     def open_writer(self, key: str, *, crc32: bool = False) -> "ObjectWriter":
         """A write-only stream; the object appears when ``close()`` returns.
 
-        ``crc32``: send each request body's CRC32, which an object store
-        checks against the bytes it receives (a body damaged on the way is
-        refused, and sent again) and keeps with the object.  For objects
-        that no ``.metadata`` crc32 covers (the Hugging Face export's
-        shards).  A local file has no hop to check: ignored here.
+        ``crc32``: send each request body's CRC32, which S3 checks against
+        the bytes it receives (a body damaged on the way is refused, and sent
+        again) and keeps with the object.  For objects that no ``.metadata``
+        crc32 covers (the Hugging Face export's shards).  Some S3-compatible
+        servers ignore the header (Ceph RGW 16.2) and a few refuse it.  A
+        local file has no hop to check: ignored here.
         """
         return _BufferedObjectWriter(self, key)
 
@@ -446,7 +447,8 @@ class ObjectWriter:
 
         The server copies them, if the source still is the object tagged
         ``etag`` (``None``: whatever it is now).  0 (nothing appended) when it cannot: this store
-        has no server-side copy (the default), the range cannot form whole
+        has no server-side copy (the default), the writer sends each part's
+        CRC32 (``open_writer(crc32=True)``), the range cannot form whole
         parts here, the source is gone or changed, or the copy failed after
         its retries.  The caller then writes the bytes itself.  A range
         copied in several requests whose later one fails raises

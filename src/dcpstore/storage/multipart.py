@@ -82,7 +82,8 @@ class MultipartObjectWriter(ObjectWriter):
     With ``crc32``, every body goes with its CRC32 (``x-amz-checksum-crc32``,
     computed once per part, 0.15 CPU s/GiB here): S3 refuses a body that
     does not match it (``BadDigest``, retried with the same bytes) and keeps
-    the object's composite checksum.  Parts are then never copied
+    the object's checksum (a multipart object's: the CRC32 of its parts'
+    CRC32s, each listed in the completion).  Parts are then never copied
     (``copy_range`` answers 0): a copied part's checksum would be the
     server's alone.
     """
@@ -235,21 +236,22 @@ class MultipartObjectWriter(ObjectWriter):
         return body, buf, owners
 
     def _checksum(self, body) -> dict[str, str]:
-        """The request parameter that carries ``body``'s CRC32 (none without ``crc32``); the part's is kept for the completion."""
+        """The request parameter that carries ``body``'s CRC32, as S3 spells it; none without ``crc32``."""
         if self._crc32s is None:
             return {}
         crc = 0
         for view in body.views if isinstance(body, Segments) else (body,):
             crc = zlib.crc32(view, crc)
-        value = base64.b64encode(crc.to_bytes(4, "big")).decode()
-        self._crc32s.append(value)
-        return {"ChecksumCRC32": value}
+        return {"ChecksumCRC32": base64.b64encode(crc.to_bytes(4, "big")).decode()}
 
     def _flush_part(self) -> None:
         if self._upload_id is None:
             self._upload_id = self._store._run(self._create_upload())
         body, buf, owners = self._take_part()
         number = len(self._parts) + 1
+        checksum = self._checksum(body)
+        if self._crc32s is not None:
+            self._crc32s.append(checksum["ChecksumCRC32"])  # listed again in the completion, part by part
         self._pool.in_flight.acquire()
         fut = self._store._submit(
             self._store._call(
@@ -261,7 +263,7 @@ class MultipartObjectWriter(ObjectWriter):
                 UploadId=self._upload_id,
                 PartNumber=number,
                 body=body,
-                **self._checksum(body),
+                **checksum,
             )
         )
 
@@ -342,8 +344,9 @@ class MultipartObjectWriter(ObjectWriter):
         """
         store, tries = self._store, Tries()
         parts = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
-        for part, crc in zip(parts, self._crc32s or ()):
-            part["ChecksumCRC32"] = crc
+        if self._crc32s is not None:  # S3 refuses a completion that leaves out a part's checksum
+            for part, crc in zip(parts, self._crc32s, strict=True):
+                part["ChecksumCRC32"] = crc
         try:
             resp = await store._call(
                 "COMPLETE-MPU",
