@@ -22,9 +22,10 @@ from typing import Any, Callable
 def spawn_ranks(target: Callable, world_size: int, *args: Any, timeout: float = 3600) -> dict[int, Any]:
     """Run ``target(rank, world_size, init_file, queue, *args)`` in ``world_size`` spawned processes; ``{rank: what it put}``.
 
-    Each rank puts one ``(rank, result)`` on ``queue``; ``init_file`` is a
-    fresh path for ``init_method=f"file://{init_file}"``.  Raises if a rank
-    exits without putting its result, or fails.
+    Each rank puts one ``(rank, result)`` on ``queue`` (a ``str`` result
+    reports its failure); ``init_file`` is a fresh path for
+    ``init_method=f"file://{init_file}"``.  Raises, naming the ranks and what
+    they reported, if a rank exits without putting its result, or fails.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -55,5 +56,6 @@ def spawn_ranks(target: Callable, world_size: int, *args: Any, timeout: float = 
     for p in procs:
         p.join()
     if any(p.exitcode for p in procs):
-        raise RuntimeError(f"a rank failed after reporting: exit codes {[p.exitcode for p in procs]}")
+        failures = {r: v for r, v in out.items() if isinstance(v, str)}
+        raise RuntimeError(f"ranks failed: exit codes {[p.exitcode for p in procs]}; {failures}")
     return out

@@ -35,7 +35,6 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any
 import uuid
 import warnings
 
@@ -549,7 +548,7 @@ def gc_collect():
     gc.collect()
 
 
-def _rank_main(rank, world_size, init_file, endpoint, names, rounds, size, bucket, queue):
+def _rank_main(rank, world_size, init_file, queue, endpoint, names, rounds, size, bucket):
     """A rank of a world-size>1 run: the same contenders, each rank saving its own shard."""
     import torch.distributed as dist
 
@@ -576,21 +575,9 @@ def _rank_main(rank, world_size, init_file, endpoint, names, rounds, size, bucke
 
 
 def run_distributed(world_size, endpoint, names, rounds, size, bucket):
-    import multiprocessing as mp
-    import tempfile
+    from benchmarks.ranks import spawn_ranks
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init_file = os.path.join(tempfile.mkdtemp(), "init")
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, init_file, endpoint, names, rounds, size, bucket, queue))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    per_rank = dict(queue.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
+    per_rank = spawn_ranks(_rank_main, world_size, endpoint, names, rounds, size, bucket)
     # A distributed save is as slow as its slowest rank; requests and memory add up per rank.
     merged = []
     for i, (name, r, first) in enumerate(per_rank[0]):

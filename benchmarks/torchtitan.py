@@ -37,7 +37,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import uuid
 import warnings
@@ -189,7 +188,7 @@ def _measure_contender(root: str, uses_dcpstore: bool, mib: float, async_mode: s
     return out
 
 
-def _rank_main(rank, world_size, init_file, endpoint, bucket, args, queue):
+def _rank_main(rank, world_size, init_file, queue, endpoint, bucket, args):
     from benchmarks.run import RequestCounter
 
     os.environ["AWS_ENDPOINT_URL"] = endpoint
@@ -215,27 +214,13 @@ def _rank_main(rank, world_size, init_file, endpoint, bucket, args, queue):
 
 def run(endpoint: str, args) -> list:
     """Every rank's rows, merged: the slowest rank's times, the requests of all ranks."""
-    import multiprocessing as mp
-
     import boto3
+
+    from benchmarks.ranks import spawn_ranks
 
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init_file = os.path.join(tempfile.mkdtemp(), "init")
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, args.world_size, init_file, endpoint, bucket, args, queue))
-        for r in range(args.world_size)
-    ]
-    for p in procs:
-        p.start()
-    per_rank = dict(queue.get(timeout=3600) for _ in procs)
-    for p in procs:
-        p.join()
-    failed = {r: v for r, v in per_rank.items() if isinstance(v, str)}
-    if failed:
-        raise RuntimeError(f"ranks failed: {failed}")
+    per_rank = spawn_ranks(_rank_main, args.world_size, endpoint, bucket, args)
     merged = []
     for i, (name, r, _) in enumerate(per_rank[0]):
         ranks = [per_rank[k][i][2] for k in sorted(per_rank)]
