@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import queue as queue_module
 import tempfile
+import time
 from typing import Any, Callable
 
 
@@ -40,14 +41,13 @@ def spawn_ranks(target: Callable, world_size: int, *args: Any, timeout: float = 
         if before is None:
             os.environ.pop("OMP_NUM_THREADS", None)
     out: dict[int, Any] = {}
-    waited = 0.0
+    deadline = time.monotonic() + timeout
     while len(out) < world_size:
         try:
             rank, result = results.get(timeout=1.0)
         except queue_module.Empty:
-            waited += 1.0
             dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
-            if dead or waited > timeout:
+            if dead or time.monotonic() > deadline:
                 for p in procs:
                     p.kill()
                 raise RuntimeError(f"ranks {dead or 'all'} failed or timed out before reporting") from None

@@ -36,6 +36,12 @@ import zlib
 from dcpstore.local_s3 import MotoServer, free_port  # noqa: F401 - re-exported for tests
 
 
+def _flip_middle_byte(data: bytes) -> bytes:
+    """``data`` with every bit of its middle byte flipped: damage on the wire that keeps the length."""
+    middle = len(data) // 2
+    return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
+
+
 @dataclasses.dataclass
 class Rule:
     method: str
@@ -216,7 +222,7 @@ class FaultProxy:
                     proxy.headers.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
                 rule = self.rule = proxy._match(self.command, self.path)
                 if rule is not None and rule.corrupt_request and body:
-                    body = body[: len(body) // 2] + bytes([body[len(body) // 2] ^ 0xFF]) + body[len(body) // 2 + 1 :]
+                    body = _flip_middle_byte(body)
                 if rule is None and not proxy._admit(self.command, self.path):
                     rule = Rule(self.command, re.compile(""), status=503, code="SlowDown")
                 if rule is None and proxy.if_match_on_completion and not proxy._completion_matches(self):
@@ -272,7 +278,7 @@ class FaultProxy:
                 if rule is not None and rule.short:
                     data = data[: len(data) // 2]
                 if rule is not None and rule.corrupt and data:
-                    data = data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1 :]
+                    data = _flip_middle_byte(data)
                 # A HEAD answer has no body but keeps the object's length.
                 length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
                 self.send_header("Content-Length", length)
