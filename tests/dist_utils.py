@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import traceback
 
@@ -29,7 +30,30 @@ def rank_context():
     if _ctx is None:
         _ctx = mp.get_context("forkserver")
         _ctx.set_forkserver_preload(_PRELOAD)
+        _start_forkserver_on_this_path()
     return _ctx
+
+
+def _start_forkserver_on_this_path() -> None:
+    """Start the forkserver with this process's ``sys.path``, so that it preloads the dcpstore under test.
+
+    Python 3.11's forkserver is told the parent's ``sys.path`` and ignores
+    it: it imports ``_PRELOAD`` from the interpreter's own path, where the
+    installed (editable) dcpstore is.  Run from a worktree of another
+    commit, every rank would then test that install, not the checkout.
+    ``PYTHONPATH`` is the one setting the forkserver's start does read.
+    """
+    from multiprocessing import forkserver
+
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or os.curdir) for p in sys.path)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 def in_environment(environ: dict, fn, *args):

@@ -103,3 +103,34 @@ def test_a_refused_commit_deletes_the_losers_shards_once(bucket, s3, proxy):
     left = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="ckpt/").get("Contents", [])]
     assert left == ["ckpt/.metadata"]  # the other job's commit, and nothing of the loser's
     assert s3.get_object(Bucket=bucket, Key="ckpt/.metadata")["Body"].read() == b"another job's commit"
+
+
+def test_ranks_import_the_checkout_whose_tests_run(tmp_path):
+    """A suite run from another checkout (a worktree of an older commit) tests that checkout's code in its ranks too.
+
+    A copy of src/dcpstore stands in for the other checkout: a fresh test
+    process puts it first on its path and starts a rank as every test does.
+    Python 3.11's forkserver ignores the parent's ``sys.path``; without
+    ``dist_utils`` passing it on, the rank imports the installed dcpstore.
+    """
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    checkout = tmp_path / "src"
+    shutil.copytree(Path(dcpstore.__file__).parent, checkout / "dcpstore", ignore=shutil.ignore_patterns("__pycache__"))
+    tests = Path(__file__).parent
+    script = (
+        f"import sys; sys.path[:0] = [{str(checkout)!r}, {str(tests)!r}]\n"
+        "import dcpstore\n"
+        "from dist_utils import run_ranks\n"
+        "from workers import imported_dcpstore\n"
+        "print(dcpstore.__file__)\n"
+        "print(run_ranks(imported_dcpstore, 1, process_group=False)[0])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300 * deadline_scale())
+    assert out.returncode == 0, out.stderr
+    parent, rank = out.stdout.split()
+    assert parent == str(checkout / "dcpstore" / "__init__.py")
+    assert rank == parent

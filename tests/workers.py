@@ -657,3 +657,8 @@ def report_intra_op_threads(rank, world_size, init_file, queue, exit_code_of_ran
     if rank == 1 and exit_code_of_rank_1 is not None:
         os._exit(exit_code_of_rank_1)
     queue.put((rank, (os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads())))
+
+
+def imported_dcpstore(rank, world_size):
+    """Where this rank's dcpstore came from (``dist_utils`` must start ranks on the code under test)."""
+    return dcpstore.__file__
