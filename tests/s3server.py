@@ -57,6 +57,7 @@ class Rule:
     corrupt_request: bool = False  # flip every bit of the request body's middle byte, then forward (damage on the way in)
     lands_after: float | None = None  # with status: answer at once, and forward the request this many seconds later
     hold: threading.Event | None = None  # wait for this event before acting (after any delay)
+    header: str | None = None  # only requests that carry this header (x-amz-copy-source: a server-side copy)
     after: int = 0  # let this many matching requests through first (fail the Nth attempt)
     times: int | None = None  # apply this many times, then stop (None: always)
     seen: int = 0  # matching requests so far
@@ -65,11 +66,12 @@ class Rule:
     answered: threading.Event = dataclasses.field(default_factory=threading.Event)  # a faulted request's handler is done
     answered_at: float | None = None  # time.time() when it was (comparable across the test's processes)
 
-    def matches(self, method: str, path: str) -> bool:
+    def matches(self, method: str, path: str, headers=None) -> bool:
         return (
             (self.times is None or self.hits < self.times)
             and self.method in (method, "*")
             and self.pattern.search(path) is not None
+            and (self.header is None or (headers is not None and self.header in headers))
         )
 
 
@@ -220,7 +222,7 @@ class FaultProxy:
                 body = self._body()
                 with proxy._lock:
                     proxy.headers.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
-                rule = self.rule = proxy._match(self.command, self.path)
+                rule = self.rule = proxy._match(self.command, self.path, self.headers)
                 if rule is not None and rule.corrupt_request and body:
                     body = _flip_middle_byte(body)
                 if rule is None and not proxy._admit(self.command, self.path):
@@ -420,11 +422,11 @@ class FaultProxy:
             self.headers.clear()
             self.landed.clear()
 
-    def _match(self, method: str, path: str) -> Rule | None:
+    def _match(self, method: str, path: str, headers=None) -> Rule | None:
         with self._lock:
             self.requests.append((method, path))
             for rule in self.rules:
-                if rule.matches(method, path):
+                if rule.matches(method, path, headers):
                     rule.seen += 1
                     if rule.seen <= rule.after:
                         continue
