@@ -83,6 +83,8 @@ class Oracle:
     def settle(self, number: int, content) -> None:
         """Storage answered for an unknown outcome: from now on the step holds ``content``."""
         self.steps[number].contents = [content]
+        if content is ABSENT:
+            self.steps[number].sequence = None  # not a commit after all
 
     def plant(self, number: int, source: int | None = None) -> None:
         self.planted[number] = time.monotonic()
@@ -91,22 +93,24 @@ class Oracle:
 
     # -- retention ------------------------------------------------------------------------------
 
-    def keep_last(self, keep_last: int) -> None:
+    def keep_last(self, keep_last: int, just_committed: int | None = None) -> None:
         """Mark what ``keep_last`` may delete: all but the steps the README's rule keeps for sure.
 
         The rule: the newest commit and its lineage first, then the most
-        recently committed.  Commits of writers that record no order (plain
-        ``dcp.save``, stock writers) are ordered by time on the server's
-        one-second clock; when the newest commit is not clearly the newest,
-        nothing is kept for sure.
+        recently committed; a checkpointer's retention never deletes the
+        step it just reported committed (``just_committed``).  Commits of
+        writers that record no order (plain ``dcp.save``, stock writers,
+        plants) are ordered by time on the server's one-second clock; when
+        the newest commit is not clearly the newest, only that step is kept
+        for sure.
         """
-        committed = self._commits()
-        if not committed:
-            return
+        committed = [s for s in self._commits() if not s.removable]
+        if len(committed) + len(self.planted) <= keep_last:
+            return  # nothing to prune
         newest = self.clear_newest()
-        keep: list[int] = []
+        keep: list[int] = [just_committed] if just_committed is not None else []
         if newest is not None and not self.planted_from:  # a planted copy carries a commit record of its own
-            by_number = {s.number: s for s in committed}
+            by_number = {s.number: s for s in committed}  # retention follows a parent only while it is there
             step: Step | None = newest
             while step is not None and step.number not in keep and len(keep) < keep_last:
                 keep.append(step.number)
@@ -116,7 +120,7 @@ class Oracle:
                 s.removable = True
 
     def _commits(self) -> list[Step]:
-        return sorted((s for s in self.steps.values() if s.committed or s.sequence), key=lambda s: s.sequence)
+        return sorted((s for s in self.steps.values() if s.sequence is not None), key=lambda s: s.sequence)
 
     def clear_newest(self) -> Step | None:
         """The newest commit, if storage's commit order surely agrees: ``None`` while an outcome is unsettled or two commits are too close.
@@ -124,7 +128,7 @@ class Oracle:
         Commits of writers that record no order (plain ``dcp.save``, stock
         writers, plants) are ordered by time on the server's one-second clock.
         """
-        committed = self._commits()
+        committed = [s for s in self._commits() if not s.removable]
         if not committed or not all(s.committed for s in committed):
             return None
         newest = committed[-1]
