@@ -104,9 +104,9 @@ class Oracle:
         the newest commit is not clearly the newest, only that step is kept
         for sure.
         """
+        if len(self._commits()) + len(self.planted) <= keep_last:
+            return  # nothing to prune, even counting the steps that may be gone already
         committed = [s for s in self._commits() if not s.removable]
-        if len(committed) + len(self.planted) <= keep_last:
-            return  # nothing to prune
         newest = self.clear_newest()
         keep: list[int] = [just_committed] if just_committed is not None else []
         if newest is not None and not self.planted_from:  # a planted copy carries a commit record of its own
@@ -128,8 +128,8 @@ class Oracle:
         Commits of writers that record no order (plain ``dcp.save``, stock
         writers, plants) are ordered by time on the server's one-second clock.
         """
-        committed = [s for s in self._commits() if not s.removable]
-        if not committed or not all(s.committed for s in committed):
+        committed = self._commits()  # with the steps that may be gone: storage may still hold them
+        if not committed or not all(s.committed for s in committed) or committed[-1].removable:
             return None
         newest = committed[-1]
         times = [s.committed_at for s in committed[:-1] if not (s.sequenced and newest.sequenced)]
