@@ -97,6 +97,7 @@ class Proven:
 
     def __init__(self):
         self._seen: dict[str, tuple] = {}
+        self.written: dict[str, str] = {}  # every save's object (not .metadata) ever seen -> its ETag then
 
     def unchanged(self, what: str, snapshot: tuple) -> bool:
         return self._seen.get(what) == snapshot
@@ -122,6 +123,8 @@ def check_steps(oracle: Oracle, storage: Storage, proven: Proven) -> None:
     for number, step in sorted(oracle.steps.items()):
         prefix = storage.step_prefix(number)
         objects = storage.keys(prefix)
+        if not step.tampered:
+            _check_written_once(objects, proven)
         snapshot = (tuple(sorted(objects.items())), tuple(id(c) for c in step.contents), step.removable, step.tampered)
         if proven.unchanged(prefix, snapshot):
             continue
@@ -168,6 +171,22 @@ def _check_loads(oracle: Oracle, storage: Storage, number: int, candidates: list
         raise Violation(f"step {number} does not load with stock FsspecReader: {e!r}") from e
     if not equal_states(stock, loaded):
         raise Violation(f"step {number}: stock FsspecReader loads other values than dcpstore")
+
+
+def _check_written_once(objects: dict[str, str], proven: Proven) -> None:
+    """No name a save wrote is written again (README: every save writes its shards under fresh names).
+
+    ``.metadata`` is the one key a step's commits share (an overwrite's
+    commit replaces it, conditionally); every other object of a step, the
+    shards and dcpstore's resume index, is one save's alone, so a second
+    ETag under its name means a later save wrote over it.
+    """
+    for key, etag in objects.items():
+        if key.endswith("/.metadata"):
+            continue
+        before = proven.written.setdefault(key, etag)
+        if before != etag:
+            raise Violation(f"{key} was written again: a later save wrote over an object an earlier save left there")
 
 
 def check_exports(oracle: Oracle, storage: Storage, proven: Proven) -> None:
