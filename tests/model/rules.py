@@ -517,17 +517,7 @@ class CheckpointWorld(RuleBasedStateMachine):
         commit = threading.Event()
         put = Rule("PUT", re.compile(rf"/step_{number:08d}/\.metadata$"), hold=commit, times=1)
         self.proxy.rules.append(put)
-        outcome = {}
-
-        def save():
-            try:
-                dcp.save(content, storage_writer=self._stock_writer(number))
-                outcome["ok"] = True
-            except (Exception, CheckpointException) as e:  # noqa: BLE001
-                outcome["error"] = e
-
-        saver = threading.Thread(target=save)
-        saver.start()
+        saver = _InBackground(lambda: dcp.save(content, storage_writer=self._stock_writer(number)))
         try:
             assert put.arrived.wait(WAIT), "the stock commit never came"
             time.sleep(2 * GRACE)
@@ -536,9 +526,9 @@ class CheckpointWorld(RuleBasedStateMachine):
             commit.set()
             saver.join()
             self._operation_done()
-        if "error" in outcome:
+        if saver.error is not None:
             self.oracle.failed(number)
-            raise Violation(f"gc took a stock save of step {number} whose shards were all written: {outcome['error']!r}")
+            raise Violation(f"gc took a stock save of step {number} whose shards were all written: {saver.error!r}")
         self.oracle.committed(number, content)
 
     def _expect_committed(self, handle, number: int, content: dict) -> None:
@@ -618,6 +608,10 @@ class CheckpointWorld(RuleBasedStateMachine):
         self.exports += 1
         return f"{self.prefix}/exports/e{self.exports}", False
 
+    def _export_in_shards(self, number: int, folder: str) -> None:
+        """``export_hf`` of step ``number`` into ``folder``, in shards of 20 KB: a few of them, for rules that race one."""
+        export_hf(self._url(number), f"s3://{self.bucket}/{folder}", max_shard_size="20KB", storage_options=self.options)
+
     def _exported(self, folder: str, number: int, shard_size: str) -> None:
         self.oracle.exported(folder, number, flat_tensors(self.oracle.steps[number].contents[0]))
         self.export_sizes[folder] = shard_size
@@ -634,30 +628,20 @@ class CheckpointWorld(RuleBasedStateMachine):
         index = re.compile(rf"/{re.escape(folder)}/model\.safetensors\.index\.json$")
         rules = [Rule("PUT", index, hold=first, times=1), Rule("PUT", index, hold=second, times=1)]
         self.proxy.rules += rules
-        outcomes = [None, None]
-
-        def run(i):
-            try:
-                export_hf(self._url(number), f"s3://{self.bucket}/{folder}", max_shard_size="20KB", storage_options=self.options)
-                outcomes[i] = "committed"
-            except Exception as e:  # noqa: BLE001
-                outcomes[i] = e
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
+        exports = [_InBackground(lambda: self._export_in_shards(number, folder)) for _ in range(2)]
         try:
             for held in rules:
                 held.arrived.wait(WAIT)
         finally:
             first.set()
             second.set()
-            for t in threads:
-                t.join()
+            for export in exports:
+                export.join()
             self._operation_done()
-        if outcomes.count("committed") > 1:
+        committed = [export for export in exports if export.error is None]
+        if len(committed) > 1:
             raise Violation(f"two exports into {folder} both committed")
-        if "committed" in outcomes:
+        if committed:
             self._exported(folder, number, "20KB")
 
     @rules_for("GC_TAKES_A_RUNNING_EXPORT")
@@ -671,17 +655,7 @@ class CheckpointWorld(RuleBasedStateMachine):
         release = threading.Event()
         second = Rule("PUT", re.compile(rf"/{re.escape(folder)}/model-00002-of-"), hold=release, times=1)
         self.proxy.rules.append(second)
-        outcome = {}
-
-        def run():
-            try:
-                export_hf(self._url(number), f"s3://{self.bucket}/{folder}", max_shard_size="20KB", storage_options=self.options)
-                outcome["ok"] = True
-            except Exception as e:  # noqa: BLE001
-                outcome["error"] = e
-
-        exporter = threading.Thread(target=run)
-        exporter.start()
+        exporter = _InBackground(lambda: self._export_in_shards(number, folder))
         try:
             if second.arrived.wait(WAIT):
                 time.sleep(2 * GRACE)
@@ -690,7 +664,7 @@ class CheckpointWorld(RuleBasedStateMachine):
             release.set()
             exporter.join()
             self._operation_done()
-        if "ok" in outcome:
+        if exporter.error is None:
             self._exported(folder, number, "20KB")
 
     # -- bytes planted in the bucket -----------------------------------------------------------------
@@ -859,6 +833,24 @@ class CheckpointWorld(RuleBasedStateMachine):
     @invariant()
     def storage_holds_what_users_were_told(self):
         check_all(self.oracle, self.storage, self.proven, self.sentinel)
+
+
+class _InBackground:
+    """``fn()`` on a thread of its own, started now; after ``join()``, ``error`` is what it raised, or ``None``."""
+
+    def __init__(self, fn):
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,))
+        self._thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            fn()
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - the rule judges it
+            self.error = e
+
+    def join(self) -> None:
+        self._thread.join()
 
 
 def _cause(error: BaseException) -> BaseException:
