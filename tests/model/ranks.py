@@ -8,12 +8,27 @@ the ranks' agreement on outcomes exist only from two ranks on.
 from __future__ import annotations
 
 import datetime
+import threading
 
+import boto3
+import botocore.exceptions
 import torch
 
 import dcpstore
 
 WORLD_SIZE = 2
+RESUME_THREAD_ENDED = ".model-resume-thread-ended"  # a key rank 0 asks for (HEAD) when the resume thread has ended
+
+
+def _signal_when_the_resume_thread_ends(root: str, endpoint: str) -> None:
+    for thread in threading.enumerate():
+        if thread.name == "dcpstore-global-plan":
+            thread.join()
+    bucket, _, prefix = root.removeprefix("s3://").partition("/")
+    try:
+        boto3.client("s3", endpoint_url=endpoint).head_object(Bucket=bucket, Key=f"{prefix}/{RESUME_THREAD_ENDED}")
+    except botocore.exceptions.ClientError:
+        pass  # 404: the request itself is the signal
 
 
 def rank_state(rank: int, version: int, structure: str) -> dict:
@@ -37,11 +52,16 @@ def job_state(version: int, structure: str) -> dict:
     return out
 
 
-def job(rank, world_size, root, endpoint, transfer, resume: str | None, saves: list[tuple[int, int, str]]):
+def job(rank, world_size, root, endpoint, transfer, resume: str | None, saves: list[tuple[int, int, str]],
+        signal_resume_thread: bool = False):
     """A job: resume the latest step (saved with structure ``resume``) if given, then save ``(step, version, structure)`` each.
 
-    Returns ``(resumed, outcomes)``: the step and the state it loaded (or
-    the error's class name), and each save's outcome as this rank was told.
+    ``signal_resume_thread``: once its last save is staged, rank 0 waits for
+    the thread a resume leaves reading the step's ``.metadata``, and then
+    asks for ``RESUME_THREAD_ENDED`` under the root (a HEAD the test holds
+    a request on until it sees).  Returns ``(resumed, outcomes)``: the step
+    and the state it loaded (or the error's class name), and each save's
+    outcome as this rank was told.
     """
     ckpt = dcpstore.AsyncCheckpointer(
         root, storage_options={"endpoint_url": endpoint}, transfer=transfer, commit_window=10.0,
@@ -57,9 +77,12 @@ def job(rank, world_size, root, endpoint, transfer, resume: str | None, saves: l
         except dcpstore.DcpstoreError as e:
             resumed = (None, type(e).__name__)
     outcomes = {}
-    for step, version, structure in saves:
+    for i, (step, version, structure) in enumerate(saves):
         try:
-            ckpt.save(rank_state(rank, version, structure), step=step).result()
+            handle = ckpt.save(rank_state(rank, version, structure), step=step)
+            if signal_resume_thread and rank == 0 and i == len(saves) - 1:
+                _signal_when_the_resume_thread_ends(root, endpoint)
+            handle.result()
             outcomes[step] = "committed"
         except dcpstore.CommitOutcomeUnknownError:
             outcomes[step] = "unknown"

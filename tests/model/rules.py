@@ -52,7 +52,7 @@ from helpers import zeros_like_state_dict
 from model.invariants import Proven, Storage, Violation, check_all
 from model.oracle import Oracle, equal_states, flat_tensors
 from model.planting import plant_republishable_metadata
-from model.ranks import WORLD_SIZE, job, job_state
+from model.ranks import RESUME_THREAD_ENDED, WORLD_SIZE, job, job_state
 from s3server import Rule
 
 MiB = 1 << 20
@@ -725,14 +725,14 @@ class CheckpointWorld(RuleBasedStateMachine):
             structure = resumed[1]
         self._run_two_rank_job(structure, resumed)
 
-    def _run_two_rank_job(self, structure: str, resume: tuple[int, str] | None, **holds) -> None:
+    def _run_two_rank_job(self, structure: str, resume: tuple[int, str] | None, signal_resume_thread: bool = False) -> None:
         saves = []
         for _ in range(2):
             number, _ = self._new()
             saves.append((number, self.version, structure))
         try:
             results = run_ranks(job, WORLD_SIZE, self.root, self.proxy.endpoint, TRANSFER, resume and resume[1], saves,
-                                collective_timeout=90)
+                                signal_resume_thread, collective_timeout=90)
             faulted = self._fault_hit()
         finally:
             self._operation_done()
@@ -795,14 +795,16 @@ class CheckpointWorld(RuleBasedStateMachine):
 
         The resume thread's GET of the step's ``.metadata`` is held until the
         second save lists the root, the one request between its vote for a
-        template and the patch; then that listing waits until the GET is
-        answered.  Pure network timing: the thread usually installs its
-        template before the listing's answer returns.
+        template and the patch; then that listing waits until the thread has
+        ended: rank 0 joins it (by its name, the only thing of dcpstore's the
+        test knows) and says so with a HEAD of a marker key.  A slow read at a
+        restart, a throttled or stalled GET, makes the same order.
         """
         resumed, structure = self._resumable()
         folder = re.escape(self.prefix)
         get = self.proxy.add("GET", rf"/{folder}/step_{resumed:08d}/\.metadata(\?|$)", hold=threading.Event(), times=1)
         first_commit = self.proxy.add("PUT", rf"/{folder}/step_{self.next_number:08d}/\.metadata(\?|$)", hold=threading.Event(), times=1)
+        thread_ended = self.proxy.add("HEAD", rf"/{folder}/{re.escape(RESUME_THREAD_ENDED)}$")
         listing = {}
 
         def conduct():
@@ -813,7 +815,7 @@ class CheckpointWorld(RuleBasedStateMachine):
                 first_commit.hold.set()
                 if listing["rule"].arrived.wait(WAIT):
                     get.hold.set()
-                    get.answered.wait(WAIT)
+                    thread_ended.arrived.wait(WAIT)
                 listing["rule"].hold.set()
             get.hold.set()
             first_commit.hold.set()
@@ -821,7 +823,7 @@ class CheckpointWorld(RuleBasedStateMachine):
         conductor = threading.Thread(target=conduct, daemon=True)
         conductor.start()
         try:
-            self._run_two_rank_job("B" if structure == "A" else "A", (resumed, structure))
+            self._run_two_rank_job("B" if structure == "A" else "A", (resumed, structure), signal_resume_thread=True)
         finally:
             for held in (get, first_commit, listing.get("rule")):
                 if held is not None:
