@@ -30,6 +30,11 @@ HF_INDEX = "model.safetensors.index.json"
 TOMBSTONE_PREFIX, TOMBSTONE_SIZE = b"dcpstore gc: no checkpoint here ", 64
 
 
+def step_folder(number: int) -> str:
+    """Step ``number``'s folder under the root: torchtitan's naming (``step-N``), which stock torchtitan resumes from."""
+    return f"step-{number}"
+
+
 class Violation(AssertionError):
     """What the user was told and what storage holds disagree.
 
@@ -65,7 +70,7 @@ class Storage:
         return [u["Key"] for u in listed.get("Uploads", [])]
 
     def step_prefix(self, number: int) -> str:
-        return f"{self.root}/step_{number:08d}"
+        return f"{self.root}/{step_folder(number)}"
 
     def url(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"

@@ -33,7 +33,7 @@ _PAYLOAD_OPS = b"cos\nmkdir\n", b"\x85R0"  # GLOBAL os.mkdir, BINUNICODE path, T
 
 
 def plant_republishable_metadata(s3, bucket: str, root_prefix: str, source_step: int, planted_step: int, sentinel_dir: str) -> None:
-    src, dst = f"{root_prefix}/step_{source_step:08d}/", f"{root_prefix}/step_{planted_step:08d}/"
+    src, dst = f"{root_prefix}/step-{source_step}/", f"{root_prefix}/step-{planted_step}/"
     head = s3.head_object(Bucket=bucket, Key=src + ".metadata")
     tags = head["Metadata"]
     if "dcpstore-index" not in tags:

@@ -17,6 +17,7 @@ import torch
 import dcpstore
 
 WORLD_SIZE = 2
+STEP_NAMING = dcpstore.StepNaming.TORCHTITAN  # step-N folders: stock torchtitan resumes the model's roots too
 RESUME_THREAD_ENDED = ".model-resume-thread-ended"  # a key rank 0 asks for (HEAD) when the resume thread has ended
 
 
@@ -65,7 +66,7 @@ def job(rank, world_size, root, endpoint, transfer, resume: str | None, saves: l
     """
     ckpt = dcpstore.AsyncCheckpointer(
         root, storage_options={"endpoint_url": endpoint}, transfer=transfer, commit_window=10.0,
-        collective_timeout=datetime.timedelta(seconds=60),
+        collective_timeout=datetime.timedelta(seconds=60), step_naming=STEP_NAMING,
     )
     resumed = None
     if resume is not None:

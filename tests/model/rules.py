@@ -34,13 +34,17 @@ import re
 import struct
 import threading
 import time
+import types
 import urllib.parse
 import uuid
+
+import s3fs
 
 import torch
 import torch.distributed.checkpoint as dcp
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from torchtitan.components.checkpointer.dcp import CheckpointManager
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -49,10 +53,10 @@ from dcpstore import cli
 from dcpstore.export.hf import export_hf
 from dist_utils import in_environment, rank_context, run_ranks
 from helpers import zeros_like_state_dict
-from model.invariants import Proven, Storage, Violation, check_all
+from model.invariants import Proven, Storage, Violation, check_all, step_folder
 from model.oracle import Oracle, equal_states, flat_tensors
 from model.planting import plant_republishable_metadata
-from model.ranks import RESUME_THREAD_ENDED, WORLD_SIZE, job, job_state
+from model.ranks import RESUME_THREAD_ENDED, STEP_NAMING, WORLD_SIZE, job, job_state
 from s3server import Rule
 
 MiB = 1 << 20
@@ -139,7 +143,7 @@ WORLD: World | None = None  # set by tests/test_model.py before the machine runs
 
 def _child_save(root: str, endpoint: str, number: int, version: int, structure: str) -> None:
     """A job's process that saves one step (killed mid-save by ``kill_a_save``)."""
-    ckpt = dcpstore.AsyncCheckpointer(root, storage_options={"endpoint_url": endpoint}, transfer=TRANSFER)
+    ckpt = dcpstore.AsyncCheckpointer(root, storage_options={"endpoint_url": endpoint}, transfer=TRANSFER, step_naming=STEP_NAMING)
     ckpt.save(state(version, structure), step=number).result()
     ckpt.close()
 
@@ -187,7 +191,7 @@ class CheckpointWorld(RuleBasedStateMachine):
         if self.job is None:
             self.job = dcpstore.AsyncCheckpointer(
                 self.root, storage_options=self.options, keep_last=self.keep_last, incremental=self.incremental,
-                transfer=TRANSFER, commit_window=10.0,
+                transfer=TRANSFER, commit_window=10.0, step_naming=STEP_NAMING,
             )
         return self.job
 
@@ -197,7 +201,7 @@ class CheckpointWorld(RuleBasedStateMachine):
         return number, state(self.version, structure)
 
     def _url(self, number: int) -> str:
-        return f"{self.root}/step_{number:08d}"
+        return f"s3://{self.bucket}/{self.storage.step_prefix(number)}"
 
     def _operation_done(self) -> None:
         """Faults last for one operation."""
@@ -233,7 +237,7 @@ class CheckpointWorld(RuleBasedStateMachine):
         "lost_answer": dict(method="PUT", pattern=r"\.distcp", drop_response=True, times=1),
         # 500 now; the same request lands on the server a moment later.
         "late_5xx": dict(method="PUT", pattern=r"\.distcp", status=500, code="InternalError", lands_after=0.2, times=1),
-        "throttle": dict(method="PUT", pattern=r"/step_", status=503, code="SlowDown", times=3),
+        "throttle": dict(method="PUT", pattern=r"/step-", status=503, code="SlowDown", times=3),
         "cut_body": dict(method="GET", pattern=r"\.distcp", truncate=True, times=1),
         # Every write of a rank's second shard is refused: the save fails after writing its first.
         "refused_shard": dict(method="PUT", pattern=r"_1\.distcp", status=403, code="AccessDenied"),
@@ -343,7 +347,7 @@ class CheckpointWorld(RuleBasedStateMachine):
     def kill_a_save(self, at):
         """A job's process is killed while its save waits on a shard PUT, or on its ``.metadata`` PUT (which then lands)."""
         number, content = self._new()
-        pattern = rf"/step_{number:08d}/" + (r"__" if at == "shard" else r"\.metadata$")
+        pattern = rf"/{step_folder(number)}/" + (r"__" if at == "shard" else r"\.metadata$")
         hold = threading.Event()
         held = Rule("PUT", re.compile(pattern), hold=hold, times=1)
         self.proxy.rules.append(held)
@@ -438,14 +442,13 @@ class CheckpointWorld(RuleBasedStateMachine):
         return [n for n in mine if newest is not None and n != newest.number]
 
     def _resume_as_stock_torchtitan_does(self):
-        """Stock torchtitan 0.3's resume (``_find_load_step``): the highest step folder with a ``.metadata``, loaded by ``FsspecReader``."""
-        numbers = sorted(int(k.split("/")[-2][len("step_"):]) for k in self.storage.keys(self.prefix)
-                         if re.fullmatch(r"[^/]+/step_\d{8}/\.metadata", k))
-        if not numbers or numbers[-1] in self.oracle.planted:
-            return  # a planted step is any stock reader's hazard, not a step dcpstore wrote
-        highest = numbers[-1]
+        """Stock torchtitan 0.3's resume: its own ``_find_load_step`` (the highest ``step-N`` folder with a ``.metadata``), then ``FsspecReader``."""
+        s3fs.S3FileSystem.clear_instance_cache()  # its listing, as a freshly started job's
+        highest = CheckpointManager._find_load_step(types.SimpleNamespace(folder=self.root))
         step = self.oracle.steps.get(highest)
-        if step is None or not step.committed or step.tampered:
+        if highest < 0 or highest in self.oracle.planted or (step is not None and step.tampered):
+            return  # planted or rewritten bytes are any stock reader's hazard, not a step dcpstore wrote
+        if step is None or not step.committed:
             if not DEFECTS["STOCK_RESUME_INTO_TOMBSTONE"]:
                 return
             raise Violation(f"stock torchtitan resumes step {highest}, the highest with a .metadata, which is not a checkpoint")
@@ -491,7 +494,7 @@ class CheckpointWorld(RuleBasedStateMachine):
         """A save's multipart shard takes longer than the grace; gc runs the moment it completes, before the commit."""
         job = self._job()
         number, content = self._new()
-        step = rf"/step_{number:08d}/"
+        step = rf"/{step_folder(number)}/"
         last_part, commit = threading.Event(), threading.Event()
         part = Rule("PUT", re.compile(step + r"__.*partNumber=2"), hold=last_part, times=1)
         put = Rule("PUT", re.compile(step + r"\.metadata$"), hold=commit, times=1)
@@ -515,7 +518,7 @@ class CheckpointWorld(RuleBasedStateMachine):
         """A stock writer's shards land; its coordinator is slow to commit; gc runs meanwhile, then the commit lands."""
         number, content = self._new()
         commit = threading.Event()
-        put = Rule("PUT", re.compile(rf"/step_{number:08d}/\.metadata$"), hold=commit, times=1)
+        put = Rule("PUT", re.compile(rf"/{step_folder(number)}/\.metadata$"), hold=commit, times=1)
         self.proxy.rules.append(put)
         saver = _InBackground(lambda: dcp.save(content, storage_writer=self._stock_writer(number)))
         try:
@@ -556,7 +559,7 @@ class CheckpointWorld(RuleBasedStateMachine):
         source = self.job_parent
         number, content = self._new()
         release = threading.Event()
-        copy = Rule("PUT", re.compile(rf"/step_{number:08d}/"), header="x-amz-copy-source", hold=release, times=1)
+        copy = Rule("PUT", re.compile(rf"/{step_folder(number)}/"), header="x-amz-copy-source", hold=release, times=1)
         self.proxy.rules.append(copy)
         handle = job.save(content, step=number)
         try:
@@ -802,8 +805,8 @@ class CheckpointWorld(RuleBasedStateMachine):
         """
         resumed, structure = self._resumable()
         folder = re.escape(self.prefix)
-        get = self.proxy.add("GET", rf"/{folder}/step_{resumed:08d}/\.metadata(\?|$)", hold=threading.Event(), times=1)
-        first_commit = self.proxy.add("PUT", rf"/{folder}/step_{self.next_number:08d}/\.metadata(\?|$)", hold=threading.Event(), times=1)
+        get = self.proxy.add("GET", rf"/{folder}/{step_folder(resumed)}/\.metadata(\?|$)", hold=threading.Event(), times=1)
+        first_commit = self.proxy.add("PUT", rf"/{folder}/{step_folder(self.next_number)}/\.metadata(\?|$)", hold=threading.Event(), times=1)
         thread_ended = self.proxy.add("HEAD", rf"/{folder}/{re.escape(RESUME_THREAD_ENDED)}$")
         listing = {}
 
