@@ -36,7 +36,7 @@ import zlib
 from dcpstore.local_s3 import MotoServer, free_port  # noqa: F401 - re-exported for tests
 
 
-def _flip_middle_byte(data: bytes) -> bytes:
+def flip_middle_byte(data: bytes) -> bytes:
     """``data`` with every bit of its middle byte flipped: damage on the wire that keeps the length."""
     middle = len(data) // 2
     return data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
@@ -224,7 +224,7 @@ class FaultProxy:
                     proxy.headers.append((self.command, self.path, {k.lower(): v for k, v in self.headers.items()}))
                 rule = self.rule = proxy._match(self.command, self.path, self.headers)
                 if rule is not None and rule.corrupt_request and body:
-                    body = _flip_middle_byte(body)
+                    body = flip_middle_byte(body)
                 if rule is None and not proxy._admit(self.command, self.path):
                     rule = Rule(self.command, re.compile(""), status=503, code="SlowDown")
                 if rule is None and proxy.if_match_on_completion and not proxy._completion_matches(self):
@@ -280,7 +280,7 @@ class FaultProxy:
                 if rule is not None and rule.short:
                     data = data[: len(data) // 2]
                 if rule is not None and rule.corrupt and data:
-                    data = _flip_middle_byte(data)
+                    data = flip_middle_byte(data)
                 # A HEAD answer has no body but keeps the object's length.
                 length = resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data))
                 self.send_header("Content-Length", length)

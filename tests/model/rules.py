@@ -57,7 +57,7 @@ from model.invariants import Proven, Storage, Violation, check_all, step_folder
 from model.oracle import Oracle, equal_states, flat_tensors
 from model.planting import plant_republishable_metadata
 from model.ranks import RESUME_THREAD_ENDED, STEP_NAMING, WORLD_SIZE, job, job_state
-from s3server import Rule
+from s3server import Rule, flip_middle_byte
 
 MiB = 1 << 20
 
@@ -574,9 +574,7 @@ class CheckpointWorld(RuleBasedStateMachine):
         s3, prefix = self.storage.s3, self.storage.step_prefix(number)
         for key in self.storage.keys(prefix):
             if key.endswith(".distcp"):
-                body = bytearray(self.storage.read(key))
-                body[len(body) // 2] ^= 0xFF
-                s3.put_object(Bucket=self.bucket, Key=key, Body=bytes(body))
+                s3.put_object(Bucket=self.bucket, Key=key, Body=flip_middle_byte(self.storage.read(key)))
         self.oracle.steps[number].tampered = True
 
     # -- exports ---------------------------------------------------------------------------------
