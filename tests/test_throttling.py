@@ -92,9 +92,14 @@ def test_stores_and_threads_of_a_process_share_one_rate_per_key_range(bucket, pr
 
 
 def test_a_request_paced_past_its_deadline_is_not_sent(bucket, proxy):
-    """A request's first send slot is checked against its deadline too, not only its retries'."""
-    store = _store(bucket, proxy, "paced", prefix_write_rate=1.0)
-    store.share_write_rate(1)  # one write a second in this key range
+    """A request's first send slot is checked against its deadline too, not only its retries'.
+
+    The late request's slot is 1/rate after the first one's, so the first
+    request's round trip must stay under that interval: 4 s, not 1 s, which
+    a busy CI box once exceeded (the slot had come by the time it asked).
+    """
+    store = _store(bucket, proxy, "paced", prefix_write_rate=0.25)
+    store.share_write_rate(1)  # one write every 4 seconds in this key range
     store.put("first", b"1")
     with pytest.raises(dcpstore.TransientStorageError, match=r"paced/late was not sent: .* past its deadline"):
         store.put("late", b"2", deadline=time.monotonic() + 0.05)
