@@ -49,10 +49,14 @@ def sent_and_copied(proxy) -> tuple[int, int]:
     return sent, copies
 
 
-def load_with_torch(url: str, like: dict) -> dict:
+def load_with_torch(url: str, like: dict, reader=FsspecReader) -> dict:
     out = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else None for k, v in like.items()}
-    dcp.load(out, storage_reader=FsspecReader(url), no_dist=True)
+    dcp.load(out, storage_reader=reader(url), no_dist=True)
     return out
+
+
+def load_with_dcpstore(url: str, like: dict) -> dict:
+    return load_with_torch(url, like, reader=dcpstore.ObjectStoreReader)
 
 
 def assert_bit_exact(got: dict, want: dict) -> None:
@@ -258,3 +262,45 @@ def test_after_a_restart_a_source_changed_since_the_load_is_not_copied_from(buck
         ckpt.wait()
         assert ckpt.last_stats.copy_requests == 3
     assert_bit_exact(load_with_torch(f"{root}/step_00000002", state(2, 2)), state(2, 2))
+
+
+def test_a_reused_writer_without_checkpoint_ids_copies(bucket, proxy):
+    """One ``ObjectStoreWriter(incremental=True)`` under plain ``dcp.save`` with no ``checkpoint_id`` (torch never calls ``reset``)."""
+    url = f"s3://{bucket}/reused"
+    writer = dcpstore.ObjectStoreWriter(url, incremental=True, overwrite=True, transfer=TRANSFER,
+                                        storage_options={"endpoint_url": proxy.endpoint})
+    for step in (1, 2):
+        dcp.save(state(step, 2), storage_writer=writer, no_dist=True)
+    assert writer.incremental.bytes_copied >= (TENSORS - 4) * TENSOR_MIB * MiB  # the three frozen objects of four
+    writer.close()
+    assert_bit_exact(load_with_torch(url, state(2, 2)), state(2, 2))
+
+
+@pytest.mark.also_rgw
+def test_a_copy_whose_source_is_rewritten_while_it_is_copied_sends_the_bytes(bucket, proxy, s3):
+    """Issue 56.3: the source changes between its HEAD and the copy (same length); moto and Ceph RGW ignore ``CopySourceIfMatch``.
+
+    The copy is held at the proxy while another writer rewrites every
+    shard of step 1; the source's ETag, read again before the completion,
+    has changed, so the object is written again with every byte sent.
+    """
+    import threading
+
+    root = f"s3://{bucket}/run"
+    with dcpstore.AsyncCheckpointer(root, storage_options={"endpoint_url": proxy.endpoint}, transfer=TRANSFER, incremental=True) as ckpt:
+        ckpt.save(state(1, 2), step=1)
+        ckpt.wait()
+        release = threading.Event()
+        held = proxy.add("PUT", r"step_00000002/", header="x-amz-copy-source", hold=release, times=1)
+        ckpt.save(state(2, 2), step=2)
+        try:
+            assert held.arrived.wait(60)
+            for o in s3.list_objects_v2(Bucket=bucket, Prefix="run/step_00000001/")["Contents"]:
+                if o["Key"].endswith(".distcp"):
+                    body = s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
+                    s3.put_object(Bucket=bucket, Key=o["Key"], Body=body[::-1])
+        finally:
+            release.set()
+        ckpt.wait()
+    assert_bit_exact(load_with_torch(f"{root}/step_00000002", state(2, 2)), state(2, 2))
+    assert_bit_exact(load_with_dcpstore(f"{root}/step_00000002", state(2, 2)), state(2, 2))

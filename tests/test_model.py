@@ -125,7 +125,6 @@ START = ("configure", dict(keep_last=None, incremental=False))
 SAVE = ("save_with_checkpointer", dict(structure="A", again=False))
 
 
-@open_defect("issue 56.1: a reused writer writes the same shard names every save")
 def test_a_reused_writer_writes_no_name_twice(world, monkeypatch):
     plain = ("save_with_plain_dcp", dict(reused=True, overwrite=True, asynchronous=False))
     replay(world, monkeypatch, "REUSED_WRITER_OVERWRITES_SHARDS", START, plain, plain)
@@ -146,7 +145,6 @@ def test_gc_while_an_export_runs_leaves_a_loadable_export(world, monkeypatch):
     replay(world, monkeypatch, "GC_TAKES_A_RUNNING_EXPORT", START, SAVE, ("gc_while_an_export_runs", dict(data=Choose(1))))
 
 
-@open_defect("issue 56.3: an incremental copy of a source rewritten after its HEAD")
 def test_a_copy_whose_source_changed_midway_is_not_committed(world, monkeypatch):
     replay(world, monkeypatch, "COPY_SOURCE_CHANGED", ("configure", dict(keep_last=None, incremental=True)), SAVE,
            ("rewrite_a_copy_source_mid_copy", {}))

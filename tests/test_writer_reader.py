@@ -303,18 +303,64 @@ def _keys(s3, bucket, prefix=""):
     return sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", []))
 
 
-def test_reused_overwriting_writer_never_writes_over_a_committed_checkpoint(bucket, s3, proxy):
-    """Three saves through one writer, no checkpoint_id: the third fails mid-upload."""
+def _shard_writes(proxy) -> list[str]:
+    """The shard names the proxy saw created: each single PUT and each multipart upload begun (not its parts)."""
+    return [path.split("?")[0] for method, path in proxy.requests
+            if ".distcp" in path and (method == "PUT" and "partNumber=" not in path or method == "POST" and "?uploads" in path)]
+
+
+def test_a_reused_writer_without_checkpoint_ids_writes_no_name_twice_and_a_failed_save_loses_nothing(bucket, s3, proxy):
+    """Three saves through one writer, no checkpoint_id (torch then never calls ``reset``): the third fails mid-write.
+
+    It fails after one of its two shards landed; save 2 still loads
+    bit-exact with dcpstore and with stock ``FsspecReader``, and no shard
+    name was ever written twice.
+    """
     url = f"s3://{bucket}/ckpt"
-    writer = dcpstore.ObjectStoreWriter(url, overwrite=True, storage_options={"endpoint_url": proxy.endpoint})
+    writer = dcpstore.ObjectStoreWriter(url, overwrite=True, objects_per_rank=2, storage_options={"endpoint_url": proxy.endpoint})
+    state = lambda v: {"a": torch.full((1000,), v), "b": torch.full((1000,), -v)}  # noqa: E731 - two items: two shards
     for value in (1.0, 2.0):
-        dcp.save({"w": torch.full((1000,), value)}, storage_writer=writer, no_dist=True)
-    committed = _keys(s3, bucket)
-    proxy.add("PUT", r"\.distcp", status=403, code="AccessDenied")
+        dcp.save(state(value), storage_writer=writer, no_dist=True)
+    committed = {k: s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in _keys(s3, bucket)}
+    proxy.add("PUT", r"\.distcp", status=403, code="AccessDenied", after=1)  # the save's second shard is refused
     with pytest.raises(BaseException, match="access denied"):
-        dcp.save({"w": torch.full((1000,), 3.0)}, storage_writer=writer, no_dist=True)
-    assert _keys(s3, bucket) == committed  # nothing of the committed step was touched
-    assert torch.equal(load({"w": torch.zeros(1000)}, url)["w"], torch.full((1000,), 2.0))
+        dcp.save(state(3.0), storage_writer=writer, no_dist=True)
+    writes = _shard_writes(proxy)
+    assert len(writes) == 2 * 3 and len(set(writes)) == len(writes), writes
+    assert {k: s3.get_object(Bucket=bucket, Key=k)["Body"].read() for k in committed} == committed
+    for reader in (dcpstore.ObjectStoreReader(url), FsspecReader(url)):
+        got = {"a": torch.zeros(1000), "b": torch.zeros(1000)}
+        dcp.load(got, storage_reader=reader, no_dist=True)
+        assert_state_dict_equal(got, state(2.0))
+
+
+@pytest.mark.also_rgw
+def test_a_shard_name_already_taken_fails_the_save_loudly_and_overwrites_nothing(bucket, s3, endpoint):
+    """Shards are written with ``If-None-Match: *`` (one PUT, and a multipart upload's completion): a second writer of one name is refused."""
+    store = dcpstore.storage.open_store(f"s3://{bucket}/x", storage_options={"endpoint_url": endpoint},
+                                        transfer=dcpstore.TransferConfig(part_size=5 << 20, multipart_threshold=5 << 20))
+    for key, size in (("small.distcp", 10), ("large.distcp", 6 << 20)):
+        s3.put_object(Bucket=bucket, Key=f"x/{key}", Body=b"committed")
+        with pytest.raises(dcpstore.ConditionalWriteError, match=rf"x/{key}: conditional write refused"):
+            with store.open_writer(key, create_only=True) as out:
+                out.write(bytes(size))
+        assert s3.get_object(Bucket=bucket, Key=f"x/{key}")["Body"].read() == b"committed"
+    assert not s3.list_multipart_uploads(Bucket=bucket).get("Uploads")  # the refused upload was aborted
+    store.close()
+
+
+@pytest.mark.parametrize("size", [10, 6 << 20], ids=["put", "multipart"])
+def test_a_create_only_write_whose_answer_was_lost_is_ours_on_the_retry(bucket, s3, proxy, size):
+    """The retry of a shard PUT (or completion) that landed unseen is refused (412); one HEAD finds our token, and the write succeeded."""
+    store = dcpstore.storage.open_store(f"s3://{bucket}/x", storage_options={"endpoint_url": proxy.endpoint},
+                                        transfer=dcpstore.TransferConfig(part_size=5 << 20, multipart_threshold=5 << 20))
+    method = "PUT" if size == 10 else "POST"
+    rule = proxy.add(method, r"/x/lost\.distcp($|\?uploadId=)", drop_response=True, times=1)
+    with store.open_writer("lost.distcp", create_only=True) as out:
+        out.write(bytes([7]) * size)
+    assert rule.hits == 1
+    assert s3.get_object(Bucket=bucket, Key="x/lost.distcp")["Body"].read() == bytes([7]) * size
+    store.close()
 
 
 def test_overwrite_never_deletes_nested_checkpoints(bucket, s3):

@@ -8,13 +8,15 @@ the coordinator writes the pickled ``Metadata`` as ``.metadata``.
 
 Shard names are new on every save: ``__{rank}_{generation}_{n}.distcp``,
 where the generation is the first 16 hex digits of the save's random
-``save_id`` (drawn by each rank's writer for ``dcp.save``; for an
-``AsyncCheckpointer``, the save's nonce, the same on every rank, so the
-coordinator knows every shard's name without being told, and every name has
-the same length on every save).  No save ever writes over bytes that a
-committed ``.metadata`` references, whether the writer is reused, the prefix
-is overwritten, or another job (a zombie, a mistyped run name) saves to the
-same prefix at the same time.
+``save_id`` (drawn by each rank's writer as every ``dcp.save`` begins,
+whether or not torch calls ``reset``; for an ``AsyncCheckpointer``, the
+save's nonce, the same on every rank, so the coordinator knows every shard's
+name without being told, and every name has the same length on every save).
+Every shard and resume index is written with ``If-None-Match: *``: a name
+used twice fails that save loudly and overwrites nothing.  No save ever
+writes over bytes that a committed ``.metadata`` references, whether the
+writer is reused, the prefix is overwritten, or another job (a zombie, a
+mistyped run name) saves to the same prefix at the same time.
 
 Commit protocol: ``.metadata`` is written by ``finish()`` only, as one
 conditional PUT, and DCP calls ``finish()`` only after every rank's
@@ -84,7 +86,7 @@ class _CommitPrefix(_StoragePrefix):
     """
 
     nonce: str = ""
-    save: int = 0  # the coordinator's count of saves (``reset``s): a rank takes the nonce only if it counts the same
+    save: int = 0  # the coordinator's count of saves begun: a rank takes the nonce only if it counts the same
 
 
 class _StagedStateDict(dict):
@@ -199,7 +201,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self.commit_window = commit_window
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._store: ObjectStore | None = None
-        self._saves = 0  # resets: under plain dcp.save, one a save on every rank (see _CommitPrefix)
+        self._saves = 0  # saves begun: the same count on every rank (see _CommitPrefix)
         self._free_staging: list[StagingPool] = []  # for dcp.async_save: pools no staged copy holds now
         # Builds .metadata (in full, or patched from the last one) and the resume index; kept across saves.
         self.builder = MetadataBuilder(checksums)
@@ -244,13 +246,30 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
     # -- StorageWriter ----------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if self.incremental is not None and self.incremental.unsettled and self._store is not None:
-            # The last save's items are the next one's base only if its .metadata is there (a HEAD): committed
-            # under this writer's nonce (an AsyncCheckpointer's are the same on every rank) or the coordinator's.
-            if any(settle(self._store, nonce) is Outcome.COMMITTED for nonce in dict.fromkeys((self.save_id, self._commit_nonce))):
-                self.incremental.committed()
+        """Begin a save, at ``checkpoint_id`` if given (else where the last one went).
+
+        torch calls it only when ``dcp.save`` is given a ``checkpoint_id``;
+        a writer reused without one begins its next save in
+        ``set_up_storage_writer``, which every save calls, so no two saves
+        share a ``save_id``, and so a shard name (see ``_begin_save``).
+        """
+        self._settle_last_save()
         if checkpoint_id is not None:
             self.move_store(checkpoint_id)
+        self._begin_save()
+
+    def _settle_last_save(self) -> None:
+        """``incremental``: the last save's items are the next one's base only if its ``.metadata`` is there (a HEAD where it went).
+
+        Committed under this writer's nonce (an AsyncCheckpointer's are the
+        same on every rank) or the coordinator's.
+        """
+        if self.incremental is not None and self.incremental.unsettled and self._store is not None:
+            if any(settle(self._store, nonce) is Outcome.COMMITTED for nonce in dict.fromkeys((self.save_id, self._commit_nonce))):
+                self.incremental.committed()
+
+    def _begin_save(self) -> None:
+        """Draw this save's ``save_id`` (its shards' generation) and forget the last save's state."""
         self.save_id = uuid.uuid4().hex
         self.rank = 0
         self.is_coordinator = True
@@ -266,10 +285,15 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self._index_tags: dict[str, str] = {}  # what names that index on the commit (x-amz-meta)
         self._saves += 1
         self._commit_nonce = self.save_id  # the coordinator's, from the plan (see _CommitPrefix)
+        self._begun = False  # set_up_storage_writer has not started this save yet
         if self.incremental is not None:
             self.incremental.begin()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._begun:  # no reset() since the last save: this is a new one all the same
+            self._settle_last_save()
+            self._begin_save()
+        self._begun = True
         self.is_coordinator = is_coordinator
         self.rank = kwargs.get("rank") or 0
         if not kwargs.get("use_collectives", True):
@@ -329,11 +353,11 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
                 copies = self.incremental is not None and self.store.server_side_copy
                 plan = plan_object(items, planner, self.incremental) if copies else None
                 try:
-                    with self.store.open_writer(name) as stream:
+                    with self.store.open_writer(name, create_only=True) as stream:
                         results = write_items(stream, name, items, planner, self.transforms, plan)
                 except CopyInterrupted as e:  # aborted with its upload: written again, every byte sent
                     logger.warning("%s; writing the object again without copies", e)
-                    with self.store.open_writer(name) as stream:
+                    with self.store.open_writer(name, create_only=True) as stream:
                         results = write_items(stream, name, items, planner, self.transforms)
             if plan is not None:
                 self.incremental.wrote(self.store.location(name), self._etag_of(name, stream), results, plan)
@@ -427,7 +451,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         (without it), and its restarts read ``.metadata``.
         """
         try:
-            self.store.put(pointer["key"], b"".join(parts))
+            self.store.put(pointer["key"], b"".join(parts), if_none_match=True)
         except Exception as e:  # noqa: BLE001 - an optional cache: the commit goes on without it
             logger.warning("%s: could not write the resume index (%s); restarts will read .metadata", self.url, e)
             delete_quietly(self.store, {pointer["key"]}, "resume index")

@@ -63,11 +63,11 @@ MiB = 1 << 20
 
 # Each open defect, the issue that tracks it, and whether the rules that reach it are on.
 DEFECTS = {
-    "REUSED_WRITER_OVERWRITES_SHARDS": False,  # issue 56.1: a reused writer's shard names repeat
+    "REUSED_WRITER_OVERWRITES_SHARDS": True,  # issue 56.1 (fixed): a reused writer's shard names repeated
     "GC_TAKES_A_LONG_UPLOAD": False,  # issue 56.2: gc right after a long multipart upload of a dcpstore save
     "GC_TAKES_A_STOCK_SAVE": False,  # issue 56.2: gc, then a stock writer's commit over the tombstone
     "GC_TAKES_A_RUNNING_EXPORT": False,  # issue 59.2: gc while an export reads its next tensors
-    "COPY_SOURCE_CHANGED": False,  # issue 56.3: an incremental copy of a source rewritten after its HEAD
+    "COPY_SOURCE_CHANGED": True,  # issue 56.3 (fixed): an incremental copy of a source rewritten after its HEAD
     "TWO_EXPORTS_ONE_FOLDER": False,  # issue 59.1: the losing export deletes the winner's shards
     "EXPORT_OVERWRITE_LEFTOVERS": False,  # issue 59.4: --overwrite with another shard count
     "PLANTED_METADATA_REPUBLISHED": False,  # issue 58.2: a planted .metadata patched into the next step

@@ -45,6 +45,11 @@ class ObjectHead:
     metadata: dict[str, str] = dataclasses.field(default_factory=dict)  # user metadata (x-amz-meta-*)
 
 
+#: x-amz-meta of a conditional write: which writer's object storage holds, so
+#: that after a lost answer one HEAD tells our object from another writer's.
+WRITE_TOKEN_KEY = "dcpstore-write"
+
+
 class Tries:
     """What the attempts of one request came to: how many were sent, how many may have taken effect unseen.
 
@@ -313,8 +318,16 @@ class ObjectStore:
         upload stays open behind a clean ``close()`` without a warning.
         """
 
-    def open_writer(self, key: str, *, crc32: bool = False) -> "ObjectWriter":
+    def open_writer(self, key: str, *, crc32: bool = False, create_only: bool = False) -> "ObjectWriter":
         """A write-only stream; the object appears when ``close()`` returns.
+
+        ``create_only``: the object is made only if ``key`` does not exist
+        (``If-None-Match: *`` on the PUT or the multipart completion), else
+        ``close()`` raises ``ConditionalWriteError`` and nothing is written:
+        what a save's shards are written with, whose names no earlier save
+        used, so that a name used twice fails loudly instead of replacing a
+        committed checkpoint's bytes.  Ceph RGW 16.2 ignores the condition
+        on a multipart completion (docs/development.md).
 
         ``crc32``: send each request body's CRC32, which S3 checks against
         the bytes it receives (a body damaged on the way is refused, and sent
@@ -323,7 +336,7 @@ class ObjectStore:
         servers ignore the header (Ceph RGW 16.2) and a few refuse it.  A
         local file has no hop to check: ignored here.
         """
-        return _BufferedObjectWriter(self, key)
+        return _BufferedObjectWriter(self, key, create_only)
 
     # -- implementation hooks ----------------------------------------------------
 
@@ -485,8 +498,8 @@ class ObjectWriter:
 class _BufferedObjectWriter(ObjectWriter):
     """For filesystems without multipart uploads: buffer, then one put."""
 
-    def __init__(self, store: ObjectStore, key: str):
-        self._store, self._key = store, key
+    def __init__(self, store: ObjectStore, key: str, create_only: bool):
+        self._store, self._key, self._create_only = store, key, create_only
         self._buf = bytearray()
 
     def write(self, data) -> int:
@@ -498,7 +511,7 @@ class _BufferedObjectWriter(ObjectWriter):
         return len(self._buf)
 
     def close(self) -> None:
-        self._store.put(self._key, self._buf)
+        self._store.put(self._key, self._buf, if_none_match=self._create_only)
         self._buf = bytearray()
 
     def abort(self) -> None:

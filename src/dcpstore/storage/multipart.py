@@ -21,11 +21,12 @@ import asyncio
 import base64
 import concurrent.futures
 import logging
+import uuid
 import zlib
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import ObjectNotFoundError
-from .base import CopyInterrupted, ObjectWriter, Tries
+from ..errors import ConditionalWriteError, ObjectNotFoundError, UnsupportedByStoreError
+from .base import WRITE_TOKEN_KEY, CopyInterrupted, ObjectWriter, Tries
 from .body import Segments
 from .config import MiB
 
@@ -50,6 +51,7 @@ class PartStore(Protocol):
     """
 
     transfer: TransferConfig
+    has_user_metadata: bool
 
     def url_for(self, key: str) -> str: ...
     def _split(self, key: str) -> tuple[str, str]: ...
@@ -86,14 +88,20 @@ class MultipartObjectWriter(ObjectWriter):
     CRC32s, each listed in the completion).  Parts are then never copied
     (``copy_range`` answers 0): a copied part's checksum would be the
     server's alone.
+
+    With ``create_only`` (see ``ObjectStore.open_writer``) the PUT or the
+    completion carries ``If-None-Match: *`` and the object a token of its
+    own (``WRITE_TOKEN_KEY``): a retry refused because an earlier attempt
+    of ours landed unseen is told from another writer's object by one HEAD.
     """
 
     #: Lent bytes fewer than this are copied: a piece of its own costs its body a
     #: socket write and a drain, more than copying a small tensor (ViewBody.SLICE_BYTES).
     LEND_MIN_BYTES = 256 << 10
 
-    def __init__(self, store: PartStore, key: str, parts: PartBufferPool, *, crc32: bool = False):
+    def __init__(self, store: PartStore, key: str, parts: PartBufferPool, *, crc32: bool = False, create_only: bool = False):
         self._store, self._key, self._pool = store, key, parts
+        self._token = uuid.uuid4().hex if create_only else None  # see _landed_earlier
         self._crc32s: list[str] | None = [] if crc32 else None  # each part's, as S3 spells it
         self._bucket, self._path = store._split(key)
         self._buf: mmap.mmap | None = None
@@ -107,6 +115,7 @@ class MultipartObjectWriter(ObjectWriter):
         self._parts: list[concurrent.futures.Future] = []
         self._closed = False
         self._sources: dict[str, str | None] = {}  # copy sources looked at: the ETag to copy each under, None if it cannot be
+        self._copied: set[str] = set()  # sources parts were copied from, looked at again before the completion
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
@@ -193,6 +202,7 @@ class MultipartObjectWriter(ObjectWriter):
             copied: concurrent.futures.Future = concurrent.futures.Future()
             copied.set_result({"ETag": part_etag})
             self._parts.append(copied)
+            self._copied.add(source)
             self._pos += end - first
         return parts
 
@@ -288,13 +298,7 @@ class MultipartObjectWriter(ObjectWriter):
             if self._upload_id is None and (len(self._pieces) == 0 or self._pending <= self._store.transfer.multipart_threshold):
                 body, buf, owners = self._take_part() if self._pending else (b"", None, [])
                 try:
-                    # The store's unconditional single PUT, whose answer holds the ETag.
-                    resp = self._store._run(
-                        self._store._call(
-                            "PUT", self._key, "put_object", body=body, Bucket=self._bucket, Key=self._path, **self._checksum(body)
-                        )
-                    )
-                    self.etag = resp.get("ETag") or None
+                    self._store._run(self._put_whole(body))
                 finally:
                     if buf is not None:
                         self._pool.give_back(buf)
@@ -303,6 +307,8 @@ class MultipartObjectWriter(ObjectWriter):
             if self._pending:
                 self._flush_part()
             etags = [f.result()["ETag"] for f in self._parts]
+            if self._copied:
+                self._store._run(self._check_copy_sources())
             self._store._run(self._complete_upload(etags))
         except BaseException:
             self._abort_upload()
@@ -311,6 +317,87 @@ class MultipartObjectWriter(ObjectWriter):
     def abort(self) -> None:
         self._closed = True
         self._abort_upload()
+
+    def _tagged(self) -> dict[str, Any]:
+        """The user metadata a ``create_only`` object carries: its write token."""
+        return {"Metadata": {WRITE_TOKEN_KEY: self._token}} if self._token else {}
+
+    async def _conditionally(self, op: str, method: str, tries: Tries, **kwargs) -> dict:
+        """``method`` (the PUT or the completion), under ``If-None-Match: *`` when ``create_only``.
+
+        A server that does not implement the condition (501) gets the
+        request again without it, with a warning: the names a save writes
+        are fresh, so the condition only catches what should never happen.
+        """
+        if self._token is None:
+            return await self._store._call(op, self._key, method, tries=tries, Bucket=self._bucket, Key=self._path, **kwargs)
+        try:
+            return await self._store._call(
+                op, self._key, method, tries=tries, Bucket=self._bucket, Key=self._path, IfNoneMatch="*", **kwargs
+            )
+        except UnsupportedByStoreError:
+            logger.warning("%s: the server does not implement If-None-Match; written without it", self._store.url_for(self._key))
+            return await self._store._call(op, self._key, method, tries=tries, Bucket=self._bucket, Key=self._path, **kwargs)
+
+    async def _put_whole(self, body) -> None:
+        """The object as one PUT, whose answer holds the ETag."""
+        tries = Tries()
+        try:
+            resp = await self._conditionally("PUT", "put_object", tries, body=body, **self._checksum(body), **self._tagged())
+        except ConditionalWriteError:
+            if await self._landed_earlier(tries):
+                return
+            raise
+        self.etag = resp.get("ETag") or None
+
+    async def _landed_earlier(self, tries: Tries) -> bool:
+        """After a retried write was refused (412) or its upload was gone (``NoSuchUpload``): whether an earlier attempt made our object.
+
+        One HEAD: our write token where the object has one (``create_only``;
+        also after aiohttp's own resend of a PUT whose kept-alive connection
+        dropped, which ``tries`` does not count), else our size after a
+        retry of ours (the key is this writer's alone).  If so, the object
+        is ours and nothing is left to abort.
+        """
+        if self._token is None and tries.count < 2:
+            return False
+        try:
+            head = await self._store._call("HEAD", self._key, "head_object", Bucket=self._bucket, Key=self._path)
+        except ObjectNotFoundError:
+            return False
+        token = head.get("Metadata", {}).get(WRITE_TOKEN_KEY)
+        if self._token is not None and (token is not None or self._store.has_user_metadata):
+            ours = token == self._token
+        else:  # no token sent, or a server that drops user metadata
+            ours = int(head["ContentLength"]) == self._pos
+        if not ours:
+            return False
+        self._upload_id = None
+        self.etag = head.get("ETag") or None
+        return True
+
+    async def _check_copy_sources(self) -> None:
+        """Raise ``CopyInterrupted`` if a source copied from is no longer the object its parts were copied under.
+
+        S3 copies a part only from the source tagged ``CopySourceIfMatch``;
+        moto and Ceph RGW 16.2 ignore that header, so a source rewritten
+        between its HEAD and the copy would be copied as it is now.  One HEAD
+        per source, after its copies and before the completion, closes that:
+        an ETag that changed means a copied part may hold other bytes, and
+        the caller writes the object again, every byte sent.
+        """
+        for source in sorted(self._copied):
+            bucket, _, key = source.partition("/")
+            try:
+                head = await self._store._call("HEAD", self._key, "head_object", Bucket=bucket, Key=key)
+                current = head.get("ETag")
+            except Exception as e:  # noqa: BLE001 - unverified: the bytes are sent
+                current = f"unreadable ({e})"
+            if current != self._sources.get(source):
+                raise CopyInterrupted(
+                    f"{self._store.url_for(self._key)}: {source} changed while parts were copied from it "
+                    f"(ETag {current}, copied under {self._sources.get(source)})"
+                )
 
     async def _create_upload(self) -> str:
         """Start the multipart upload; abort any that a lost response leaked.
@@ -323,7 +410,8 @@ class MultipartObjectWriter(ObjectWriter):
         store, tries = self._store, Tries()
         algorithm = {} if self._crc32s is None else {"ChecksumAlgorithm": "CRC32"}
         resp = await store._call(
-            "CREATE-MPU", self._key, "create_multipart_upload", tries=tries, Bucket=self._bucket, Key=self._path, **algorithm
+            "CREATE-MPU", self._key, "create_multipart_upload", tries=tries, Bucket=self._bucket, Key=self._path,
+            **algorithm, **self._tagged(),
         )
         upload_id = resp["UploadId"]
         if tries.count > 1:
@@ -339,33 +427,22 @@ class MultipartObjectWriter(ObjectWriter):
         """Complete the upload; after a lost success response, confirm by HEAD.
 
         A retried CompleteMultipartUpload whose first attempt succeeded is
-        answered ``NoSuchUpload``; the object then exists with our size (the
-        key is ours alone), and that is success, not a missing object.
+        answered ``NoSuchUpload`` (or, under ``create_only``, 412); the
+        object then is ours (``_landed_earlier``), and that is success.
         """
-        store, tries = self._store, Tries()
         parts = [{"PartNumber": i + 1, "ETag": e} for i, e in enumerate(etags)]
         if self._crc32s is not None:  # S3 refuses a completion that leaves out a part's checksum
             for part, crc in zip(parts, self._crc32s, strict=True):
                 part["ChecksumCRC32"] = crc
+        tries = Tries()
         try:
-            resp = await store._call(
-                "COMPLETE-MPU",
-                self._key,
-                "complete_multipart_upload",
-                tries=tries,
-                Bucket=self._bucket,
-                Key=self._path,
-                UploadId=self._upload_id,
-                MultipartUpload={"Parts": parts},
+            resp = await self._conditionally(
+                "COMPLETE-MPU", "complete_multipart_upload", tries, UploadId=self._upload_id, MultipartUpload={"Parts": parts}
             )
             self.etag = resp.get("ETag") or None  # Ceph RGW 16.2 answers an empty one: taken from a HEAD when needed
-        except ObjectNotFoundError:
-            if tries.count > 1:
-                head = await store._call("HEAD", self._key, "head_object", Bucket=self._bucket, Key=self._path)
-                if int(head["ContentLength"]) == self._pos:
-                    self._upload_id = None  # completed: nothing to abort
-                    self.etag = head.get("ETag") or None
-                    return
+        except (ObjectNotFoundError, ConditionalWriteError):
+            if await self._landed_earlier(tries):
+                return
             raise
 
     def _release_current(self) -> None:

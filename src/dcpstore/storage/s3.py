@@ -30,6 +30,7 @@ from .base import (
     ObjectHead,
     ObjectInfo,
     ObjectWriter,
+    WRITE_TOKEN_KEY,
     Tries,
     refuse_unless_condition_holds,
 )
@@ -40,7 +41,6 @@ from .s3_requests import S3Requests
 logger = logging.getLogger(__name__)
 
 S3_SCHEMES = ("s3", "s3a")
-WRITE_TOKEN_KEY = "dcpstore-write"  # x-amz-meta of a conditional write: which writer's object storage holds
 ABORT_ROUNDS = 5  # background rounds of a failed abort, each under the retry policy, max_backoff apart
 
 
@@ -380,7 +380,7 @@ class S3ObjectStore(S3Requests):
                     owner.url_for(key), upload_id, e, owner.url,
                 )
 
-    def open_writer(self, key: str, *, crc32: bool = False) -> ObjectWriter:
-        return MultipartObjectWriter(self, key, self._connection.parts, crc32=crc32)
+    def open_writer(self, key: str, *, crc32: bool = False, create_only: bool = False) -> ObjectWriter:
+        return MultipartObjectWriter(self, key, self._connection.parts, crc32=crc32, create_only=create_only)
 
 
