@@ -32,10 +32,12 @@ def run_root(bucket, s3):
 def test_ls(run_root, s3, bucket, capsys):
     root, _ = run_root
     s3.create_multipart_upload(Bucket=bucket, Key="run-7/step_00000400/__0_0.distcp")  # a save's first part in flight
+    s3.create_multipart_upload(Bucket=bucket, Key="run-7/step_00000200/__0_9.distcp")  # one a save leaked (issue 56.4)
     assert main(["ls", root]) == 0
     out = capsys.readouterr().out.splitlines()
     rows = {line.split()[0]: line.split() for line in out[1:]}
-    assert rows["100"][1] == "committed" and rows["200"][1] == "committed"
+    assert rows["100"][1] == "committed" and rows["100"][-1] == "0"
+    assert rows["200"][1] == "committed" and rows["200"][-1] == "1"  # committed is .metadata's alone
     assert rows["300"][1] == "incomplete" and rows["300"][-1] == "1"  # one open upload
     assert rows["400"][1] == "incomplete" and rows["400"][4] == "0" and rows["400"][-1] == "1"  # no object yet
     assert list(rows) == ["100", "200", "300", "400"]

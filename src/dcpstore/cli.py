@@ -87,9 +87,9 @@ def cmd_ls(args) -> int:
     steps.sort(key=lambda s: s.step)
     print(f"{'STEP':>10}  {'STATUS':<11} {'SIZE':>10} {'OBJECTS':>7}  {'WRITTEN (UTC)':<19}  OPEN UPLOADS")
     for s in steps:
-        status = "committed" if s.committed and s.prefix not in open_by_step else "incomplete"
-        if holds_only_a_tombstone(s) and s.prefix not in open_by_step:
-            status = "collected"  # a failed save gc cleaned: only its tombstone is left
+        # Committed is decided by .metadata alone: an upload left open under a committed step
+        # (a lost CreateMultipartUpload answer whose abort was refused) is shown in its own column.
+        status = "committed" if s.committed else "collected" if holds_only_a_tombstone(s) else "incomplete"
         print(
             f"{s.step:>10}  {status:<11} {_size(s.size):>10} {s.objects:>7}  "
             f"{_when(s.last_modified):<19}  {open_by_step.get(s.prefix, 0)}"
