@@ -58,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 import zlib
 
 import numpy
@@ -172,7 +173,8 @@ def torch_metadata_bytes(metadata: Metadata, results) -> int:
 
 def finish(writer_plans, metadata: Metadata, results, *, checksums: bool = True) -> tuple[_Captured, float]:
     """The coordinator's ``finish()``, timed; the writer holds the ``.metadata`` bytes and its store the index."""
-    writer = _Captured("memory://dcpstore-scale-bench", checksums=checksums)
+    # A root of its own: the resume index goes up with If-None-Match, under a name the simulated nonce fixes.
+    writer = _Captured(f"memory://dcpstore-scale-bench/{uuid.uuid4().hex}", checksums=checksums)
     writer.save_id = SIMULATED_NONCE  # an AsyncCheckpointer's nonce: its shard names' generation
     writer.plans.remember(writer_plans)
     writer.commit_record = {"sequence": 5, "parent": 4}  # what an AsyncCheckpointer's commit records

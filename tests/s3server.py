@@ -23,6 +23,7 @@ import bisect
 import collections
 import dataclasses
 import email.utils
+import hashlib
 import html
 import http.client
 import http.server
@@ -186,6 +187,8 @@ class FaultProxy:
         self.check_crc32 = False
         self._part_crc32s: dict[tuple[str, str], str] = {}  # (upload id, part number) -> the checksum its part came with
         self.aws_times = True  # report upload and multipart object times as AWS does (see the module docstring)
+        # Hold each object of a DeleteObjects to its ETag element, as AWS does (moto 5.2 deletes it anyway).
+        self.etags_on_batch_deletes = True
         self._initiated: dict[str, float] = {}  # upload id -> when CreateMultipartUpload was answered
         self._began: dict[str, float] = {}  # "/bucket/key" -> when the upload that wrote the object began
         self._lock = threading.Lock()
@@ -260,7 +263,20 @@ class FaultProxy:
                         self.wfile.write(payload)
                     return
                 headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
+                changed: list[str] = []
+                if proxy.etags_on_batch_deletes and self.command == "POST" and b"<ETag>" in body and "?delete" in self.path:
+                    body, changed = proxy._without_changed_objects(self.path, body, headers)
+                    if b"<Object>" not in body:  # nothing left to delete: S3's answer, without the server
+                        self.send_response(200)
+                        payload = proxy._with_precondition_errors(b"<DeleteResult></DeleteResult>", changed)
+                        self.send_header("Content-Type", "application/xml")
+                        self.send_header("Content-Length", str(len(payload)))
+                        self.end_headers()
+                        self.wfile.write(payload)
+                        return
                 resp, data = proxy._forward(self.command, self.path, body, headers)
+                if changed:
+                    data = proxy._with_precondition_errors(data, changed)
                 data, last_modified = proxy._as_aws_reports(self.command, self.path, body, resp.status, data)
                 if self.command == "PUT" and resp.status == 200 and self.headers.get("x-amz-checksum-crc32"):
                     query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
@@ -389,6 +405,50 @@ class FaultProxy:
             return False
         return etag.strip('"') == wanted.strip('"')
 
+    def _without_changed_objects(self, path: str, body: bytes, headers: dict[str, str]) -> tuple[bytes, list[str]]:
+        """A DeleteObjects body without the objects whose ``ETag`` element no longer matches (one HEAD upstream each), and their keys.
+
+        The body's checksum headers are made to match what is left.
+        """
+        import boto3
+        import botocore.exceptions
+
+        client = boto3.client("s3", endpoint_url=f"http://{self.upstream}")
+        bucket = urllib.parse.unquote(urllib.parse.urlsplit(path).path).strip("/")
+        changed = []
+
+        def one(match: re.Match) -> bytes:
+            key = html.unescape(re.search(rb"<Key>([^<]*)</Key>", match.group(0)).group(1).decode())
+            wanted = re.search(rb"<ETag>([^<]*)</ETag>", match.group(0))
+            if wanted is None:
+                return match.group(0)
+            try:
+                etag = client.head_object(Bucket=bucket, Key=key)["ETag"]
+            except botocore.exceptions.ClientError:
+                return match.group(0)  # gone: deleting it again is a success
+            if etag.strip('"') == html.unescape(wanted.group(1).decode()).strip('"'):
+                return match.group(0)
+            changed.append(key)
+            return b""
+
+        body = re.sub(rb"<Object>.*?</Object>", one, body, flags=re.S)
+        for name in list(headers):
+            if name.lower() == "x-amz-checksum-crc32":
+                headers[name] = base64.b64encode(zlib.crc32(body).to_bytes(4, "big")).decode()
+            elif name.lower() == "content-md5":
+                headers[name] = base64.b64encode(hashlib.md5(body).digest()).decode()
+        return body, changed
+
+    @staticmethod
+    def _with_precondition_errors(data: bytes, keys: list[str]) -> bytes:
+        """A DeleteResult with S3's ``PreconditionFailed`` error for each of ``keys`` added."""
+        errors = b"".join(
+            b"<Error><Key>%s</Key><Code>PreconditionFailed</Code><Message>At least one of the pre-conditions you "
+            b"specified did not hold</Message></Error>" % html.escape(key).encode()
+            for key in keys
+        )
+        return data.replace(b"</DeleteResult>", errors + b"</DeleteResult>")
+
     @staticmethod
     def _crc32_matches(handler, body: bytes) -> bool:
         """False for a request whose ``x-amz-checksum-crc32`` is not the CRC32 of the body that arrived."""
@@ -417,6 +477,7 @@ class FaultProxy:
             self.check_crc32 = False
             self._part_crc32s.clear()
             self.aws_times = True
+            self.etags_on_batch_deletes = True
             self.rules.clear()
             self.requests.clear()
             self.headers.clear()

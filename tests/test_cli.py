@@ -116,16 +116,21 @@ def test_gc_dry_run_then_for_real(run_root, s3, bucket, capsys):
     wait_until_older_than(open_store(root), 1)
     assert main(["gc", root, "--keep-last", "1", "--grace", "1", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "would delete incomplete step 300" in out and "would abort" in out and "would delete committed step 100" in out
+    assert "would mark incomplete step 300" in out and "would abort" in out and "would delete committed step 100" in out
     assert object_exists(s3, bucket, "run-7/step_00000300/__0_0.distcp")  # dry run touched nothing
     assert main(["gc", root, "--keep-last", "1", "--grace", "1"]) == 0
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]}
     assert not any(k.startswith("run-7/step_00000100/") for k in keys)
-    # Of the failed save, only gc's tombstone is left: it refuses a commit still in flight (see layout).
-    assert [k for k in keys if k.startswith("run-7/step_00000300/")] == ["run-7/step_00000300/.metadata"]
+    # The failed save's step is marked; its shard goes at a run a grace later (see collection).
+    assert sorted(k for k in keys if k.startswith("run-7/step_00000300/")) == ["run-7/step_00000300/.metadata", "run-7/step_00000300/__0_0.distcp"]
     assert s3.head_object(Bucket=bucket, Key="run-7/step_00000300/.metadata")["ContentLength"] == TOMBSTONE_SIZE
     assert "run-7/step_00000200/.metadata" in keys  # the newest committed step is never touched
     assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    capsys.readouterr()
+    assert main(["gc", root, "--grace", "1", "--now"]) == 0  # waits out the grace twice: swept, then unmarked
+    assert "collecting again in 2s" in capsys.readouterr().out
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]}
+    assert not any(k.startswith("run-7/step_00000300/") for k in keys) and "run-7/step_00000200/.metadata" in keys
 
 
 def test_pruning_a_committed_step_leaves_the_users_files_in_its_folder_and_says_so(run_root, s3, bucket, capsys, caplog):
@@ -180,28 +185,15 @@ def test_demo_kills_and_resumes(moto_endpoint):
     assert "committed steps now:        [" in out.stdout and "60]" in out.stdout
 
 
-def test_gc_never_deletes_a_step_that_commits_after_the_listing(run_root, s3, bucket):
-    from dcpstore.layout import delete_incomplete_step
-    from dcpstore.steps import plan_gc
-    from dcpstore.storage import open_store
-
-    root, _ = run_root
-    store = open_store(root)
-    step = next(s for s in plan_gc(store, None, grace=1, now=time.time() + 60).incomplete if s.step == 300)
-    s3.put_object(Bucket=bucket, Key="run-7/step_00000300/.metadata", Body=b"committed meanwhile")
-    assert not delete_incomplete_step(store, step)
-    assert object_exists(s3, bucket, "run-7/step_00000300/__0_0.distcp")
-
-
 def test_gc_on_a_server_without_list_multipart_uploads(run_root, proxy, caplog):
-    from dcpstore.steps import plan_gc
+    from dcpstore.collection import plan_gc
     from dcpstore.storage import open_store
 
     root, _ = run_root
     rule = proxy.add("GET", r"\?uploads", status=501, code="NotImplemented")
     store = open_store(root, storage_options={"endpoint_url": proxy.endpoint})
     plan = plan_gc(store, None, grace=1, now=time.time() + 60)
-    assert [s.step for s in plan.incomplete] == [300] and plan.uploads == []
+    assert [s.step for s in plan.marks] == [300] and plan.uploads == []
     assert rule.hits == 1  # 501 is not retried
     assert "open multipart uploads could not be listed" in caplog.text
 

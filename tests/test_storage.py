@@ -539,3 +539,30 @@ def test_a_changed_endpoint_or_credential_environment_reaches_the_next_store_and
     gc.collect()
     assert second() is None and third() is None  # no store uses them: freed ("first" may be an earlier test's)
     assert id(fourth()) in s3_module._servers and len(s3_module._servers) <= len(s3_module._filesystems)
+
+
+def test_a_conditional_delete_leaves_an_object_rewritten_since_it_was_listed(bucket, s3, proxy):
+    """``delete_if_unchanged``: each object goes only while its ETag is the one listed (S3's ``ETag`` element in ``DeleteObjects``)."""
+    store = open_store(f"s3://{bucket}/d", storage_options={"endpoint_url": proxy.endpoint})
+    for key in ("a", "b", "c"):
+        store.put(key, key.encode())
+    listed = {o.key: o.etag for o in store.list()}
+    assert all(listed.values())
+    s3.put_object(Bucket=bucket, Key="d/b", Body=b"rewritten")
+    s3.delete_object(Bucket=bucket, Key="d/c")  # gone already: deleted all the same
+    assert store.delete_if_unchanged(listed) == ["b"]
+    assert [o.key for o in store.list()] == ["b"] and store.get("b") == b"rewritten"
+    assert store.delete_if_unchanged({"b": listed["b"]}) == ["b"]  # alone in its request: answered without the server
+    store.close()
+
+
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_a_conditional_delete_on_a_filesystem(scheme, tmp_path):
+    store = open_store(f"file://{tmp_path}/d" if scheme == "file" else "memory://cond-delete/d")
+    store.put("a", b"a")
+    store.put("b", b"b")
+    tags = {key: store.get_with_etag(key)[1] for key in ("a", "b")}
+    store.put("b", b"rewritten")
+    assert store.delete_if_unchanged(tags) == ["b"]
+    assert [o.key for o in store.list()] == ["b"]
+    store.close()

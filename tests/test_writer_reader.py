@@ -335,11 +335,15 @@ def test_a_reused_writer_without_checkpoint_ids_writes_no_name_twice_and_a_faile
 
 
 @pytest.mark.also_rgw
-def test_a_shard_name_already_taken_fails_the_save_loudly_and_overwrites_nothing(bucket, s3, endpoint):
-    """Shards are written with ``If-None-Match: *`` (one PUT, and a multipart upload's completion): a second writer of one name is refused."""
+def test_a_shard_name_already_taken_fails_the_save_loudly_and_overwrites_nothing(bucket, s3, endpoint, s3_server):
+    """Shards are written with ``If-None-Match: *`` (one PUT, and a multipart upload's completion): a second writer of one name is refused.
+
+    Ceph RGW 16.2 ignores the condition on a completion (docs/development.md): there, only the single PUT is checked.
+    """
     store = dcpstore.storage.open_store(f"s3://{bucket}/x", storage_options={"endpoint_url": endpoint},
                                         transfer=dcpstore.TransferConfig(part_size=5 << 20, multipart_threshold=5 << 20))
-    for key, size in (("small.distcp", 10), ("large.distcp", 6 << 20)):
+    sizes = (("small.distcp", 10),) + ((("large.distcp", 6 << 20),) if s3_server == "moto" else ())
+    for key, size in sizes:
         s3.put_object(Bucket=bucket, Key=f"x/{key}", Body=b"committed")
         with pytest.raises(dcpstore.ConditionalWriteError, match=rf"x/{key}: conditional write refused"):
             with store.open_writer(key, create_only=True) as out:

@@ -39,7 +39,8 @@ from .resume import Resume
 from .save_job import SaveJob, SaveStats
 from .save_pipeline import PLANNING_MODES, SavePipeline, usable_local_plan
 from .staging import StagedItems, StagingPool
-from .steps import CommitOrder, Retention, check_grace
+from .collection import Retention, check_grace
+from .steps import CommitOrder
 from .storage import TransferConfig, normalize_url, open_store
 from .writer import ObjectStoreWriter
 
@@ -354,7 +355,7 @@ class AsyncCheckpointer:
         Every rank lists the same steps: a save completes on a rank only
         after the coordinator has committed it and pruned beyond
         ``keep_last`` (unless the deletes outlast what the peers wait for:
-        then they finish in the background, logged; see ``steps.Retention``).
+        then they finish in the background, logged; see ``collection.Retention``).
         """
         self.wait()
         return self._order.steps(self.step_naming)

@@ -29,6 +29,7 @@ from .layout import (
     METADATA_KEY,
     StepInfo,
     StepNaming,
+    Tombstone,
     holds_only_a_tombstone,
     list_steps,
     not_written_by_dcp,
@@ -89,7 +90,12 @@ def cmd_ls(args) -> int:
     for s in steps:
         # Committed is decided by .metadata alone: an upload left open under a committed step
         # (a lost CreateMultipartUpload answer whose abort was refused) is shown in its own column.
-        status = "committed" if s.committed else "collected" if holds_only_a_tombstone(s) else "incomplete"
+        status = (
+            "committed" if s.committed
+            else "collected" if holds_only_a_tombstone(s)  # swept by gc: only its tombstone is left, for a grace
+            else "marked" if s.tombstone is Tombstone.MARKED  # a failed save's debris, deleted by a gc a grace later
+            else "incomplete"
+        )
         print(
             f"{s.step:>10}  {status:<11} {_size(s.size):>10} {s.objects:>7}  "
             f"{_when(s.last_modified):<19}  {open_by_step.get(s.prefix, 0)}"
@@ -219,13 +225,18 @@ def cmd_verify(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    from .steps import plan_gc
+    from .collection import collect_now, plan_gc
 
     store = open_store(args.root)
     plan = plan_gc(store, args.keep_last, args.grace)
     verb = "would delete" if args.dry_run else "deleting"
-    for s in plan.incomplete:
-        print(f"{verb} incomplete step {s.step} ({s.objects} objects, {_size(s.size)})")
+    for s in plan.marks:
+        print(f"{'would mark' if args.dry_run else 'marking'} incomplete step {s.step} ({s.objects} objects, {_size(s.size)}): "
+              f"deleted by a gc a grace later, unless it commits meanwhile")
+    for s in plan.sweeps:
+        print(f"{verb} incomplete step {s.step} ({s.objects - 1} objects, marked over a grace ago)")
+    for s in plan.unmarks:
+        print(f"{'would remove' if args.dry_run else 'removing'} the tombstone of step {s.step} (swept over a grace ago)")
     for u in plan.uploads:
         print(f"{'would abort' if args.dry_run else 'aborting'} multipart upload of {store.url_for(u.key)}")
     for folder, keys in plan.exports.items():
@@ -239,10 +250,15 @@ def cmd_gc(args) -> int:
                 print(f"    {store.url_for(f'{s.prefix}/{key}')}")
     if args.dry_run:
         return 0
-    deleted = plan.run(store, progress=lambda items, desc, unit: _progress(items, desc, unit, at_least=5))
+    progress = lambda items, desc, unit: _progress(items, desc, unit, at_least=5)  # noqa: E731
+    if args.now:
+        deleted = collect_now(store, args.grace, plan, progress,
+                              waiting=lambda seconds: print(f"--now: collecting again in {seconds:.0f}s, once what was marked or swept is a grace old"))
+    else:
+        deleted = plan.run(store, progress)
     print(
-        f"done: {deleted} incomplete and {len(plan.pruned)} committed steps deleted, {len(plan.exports)} failed exports deleted, "
-        f"{len(plan.uploads)} uploads aborted"
+        f"done: {len(plan.marks)} incomplete steps marked, {deleted} deleted, {len(plan.unmarks)} tombstones removed, "
+        f"{len(plan.pruned)} committed steps deleted, {len(plan.exports)} failed exports deleted, {len(plan.uploads)} uploads aborted"
     )
     return 0
 
@@ -267,7 +283,7 @@ def cmd_demo(args) -> int:
 
 
 def _positive_seconds(text: str) -> float:
-    from .steps import check_grace
+    from .collection import check_grace
 
     try:
         seconds = float(text)
@@ -303,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=_positive_seconds, default=3600.0, metavar="SECONDS",
                    help="leave a step's debris alone until nothing under it, no object and no upload's newest part, "
                         "changed for this long on the server's clock (a save may be running); positive, default 3600")
+    p.add_argument("--now", action="store_true",
+                   help="finish in one call: a failed save's step is marked first and deleted only a grace later, "
+                        "and its tombstone removed a grace after that; wait out those graces here")
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     p.set_defaults(func=cmd_gc)
 

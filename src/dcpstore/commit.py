@@ -69,7 +69,7 @@ from .errors import (
     DcpstoreError,
     ObjectNotFoundError,
 )
-from .layout import METADATA_KEY, NONCE_KEY, destination, is_tombstone
+from .layout import METADATA_KEY, NONCE_KEY, Tombstone, destination, is_tombstone, metadata_state
 from .metadata_reading import parse_metadata
 from .storage import ObjectStore, Tries
 
@@ -243,6 +243,25 @@ class Destination:
         committed, self.tombstone = destination(store)
         return committed
 
+    @staticmethod
+    def _laid_meanwhile(store: ObjectStore, condition: str | None) -> tuple[bool, str | None]:
+        """After a new step's commit was refused: whether to try once more, and under which condition.
+
+        A collection may have marked the step since the save looked
+        (``collection``: a save that seemed dead, as a long multipart shard
+        does the moment it lands); the commit then replaces exactly that
+        mark (its ETag), and the collection's sweep, which needs the same
+        mark, deletes nothing.  Or the tombstone the save found is gone
+        (removed by a collection): then no ``.metadata`` (``If-None-Match``).
+        Never a sweep's tombstone, nor a checkpoint.
+        """
+        committed, kind, etag = metadata_state(store)
+        if not committed and kind is Tombstone.MARKED and etag != condition:
+            return True, etag
+        if not committed and kind is None and condition is not None:
+            return True, None
+        return False, condition
+
     def read_replaced(self, store: ObjectStore) -> None:
         """Note the committed checkpoint an overwrite would replace (planning time), if any."""
         try:
@@ -283,7 +302,7 @@ class Destination:
         ``put_deadline`` (``time.monotonic()``), the bound an
         ``AsyncCheckpointer``'s peers settle by (see this module's docstring).
         """
-        check_still_stored(store, paths)
+        listed = check_still_stored(store, paths)
         if overwrite and self.replaced is None:
             self.read_replaced(store)  # planning ran elsewhere (e.g. a cached plan)
         replaced = self.replaced
@@ -293,18 +312,21 @@ class Destination:
                 f"{store.url_for(METADATA_KEY)}: not written: the work before the commit took "
                 f"{time.monotonic() - put_deadline:.0f}s past the point its peers stop waiting for the coordinator"
             )
-        outcome, error = write_metadata(
-            store, raw_metadata, nonce,
-            replaced_etag=replaced.etag if replaced is not None else self.tombstone, window=window, tags=tags,
-        )
+        condition = replaced.etag if replaced is not None else self.tombstone
+        outcome, error = write_metadata(store, raw_metadata, nonce, replaced_etag=condition, window=window, tags=tags)
+        if outcome is Outcome.REFUSED and replaced is None:
+            again, condition = self._laid_meanwhile(store, condition)
+            if again and (put_deadline is None or time.monotonic() < put_deadline):
+                logger.info("%s: a collection marked this step while it committed; committing in place of its mark", store.url)
+                outcome, error = write_metadata(store, raw_metadata, nonce, replaced_etag=condition, window=window, tags=tags)
         if outcome is Outcome.COMMITTED:
             if error is not None:
                 logger.warning("%s: committed (read back after the PUT failed: %s)", store.url_for(METADATA_KEY), error)
             if replaced is not None:
-                delete_quietly(store, replaced.paths - paths, "shards of the replaced checkpoint")
+                delete_quietly(store, replaced.paths - paths, "shards of the replaced checkpoint", listed)
             return
         if outcome is Outcome.REFUSED:
-            delete_quietly(store, paths, "shards of the refused commit")
+            delete_quietly(store, paths, "shards of the refused commit", listed)
             if destination(store)[1] is not None:
                 raise DcpstoreError(
                     f"{store.url_for(METADATA_KEY)}: not committed: a collection (`dcpstore gc`, or gc_grace) "
@@ -331,28 +353,38 @@ def exists_error(store: ObjectStore) -> CheckpointExistsError:
     )
 
 
-def check_still_stored(store: ObjectStore, paths: set[str]) -> None:
-    """Refuse to commit unless every object ``.metadata`` would name is in storage: one listing of the step.
+def check_still_stored(store: ObjectStore, paths: set[str]) -> dict[str, str | None]:
+    """Refuse to commit unless every object ``.metadata`` would name is in storage: one listing of the step, returned (key -> ETag).
 
     The shards were written minutes ago, perhaps: a collection that took
-    the step for debris (see ``layout.delete_incomplete_step``), a
+    the step for debris (see ``collection``), a
     lifecycle rule or a person may have deleted them since.  No
     ``.metadata`` is sent then, so none can name what is gone.
     """
-    gone = sorted(paths - {o.key for o in store.list()})
+    listed = {o.key: o.etag for o in store.list()}
+    gone = sorted(paths - listed.keys())
     if gone:
         raise DcpstoreError(
             f"{store.url_for(gone[0])}: not committed: this save wrote it, and it is gone from storage "
             f"({len(gone)} of the {len(paths)} objects .metadata would name; deleted while the save ran, by "
             "`dcpstore gc`, a lifecycle rule or a person); no .metadata was written"
         )
+    return listed
 
 
-def delete_quietly(store: ObjectStore, keys: set[str], what: str) -> None:
-    """Delete the objects of a save nothing will reference (best effort: orphans cost space, not correctness)."""
+def delete_quietly(store: ObjectStore, keys: set[str], what: str, listed: dict[str, str | None] | None = None) -> None:
+    """Delete the objects of a save nothing will reference, each while it is unchanged since ``listed`` (best effort: orphans cost space, not correctness).
+
+    ``listed``: key -> ETag from a listing made for this decision; by
+    default one listing here.  A key not listed is gone already.
+    """
     if not keys:
         return
     try:
-        store.delete(sorted(keys))
+        if listed is None:
+            listed = {o.key: o.etag for o in store.list()}
+        changed = store.delete_if_unchanged({k: listed[k] for k in sorted(keys) if k in listed})
+        if changed:
+            logger.warning("%s: left %d of the %s: changed since listed (%s)", store.url, len(changed), what, ", ".join(changed[:5]))
     except Exception as e:  # noqa: BLE001 - gc reclaims what is left
         logger.warning("%s: could not delete %d %s: %s", store.url, len(keys), what, e)

@@ -56,7 +56,8 @@ from .errors import CheckpointExistsError, CheckpointSaveError, CommitOutcomeUnk
 from .layout import StepNaming
 from .plan_cache import PlanCache, UnparsedMetadata
 from .save_job import SaveJob
-from .steps import CommitOrder, CommitRecord, Retention
+from .collection import Retention
+from .steps import CommitOrder, CommitRecord
 from .writer import ObjectStoreWriter
 
 logger = logging.getLogger(__name__)

@@ -6,7 +6,7 @@ torchtitan names its steps ``{root}/step-{step}/``; a checkpointer can write
 that form (``StepNaming.TORCHTITAN``), so that stock torchtitan resumes from
 its steps and it from torchtitan's.  Listing recognizes both forms.  A step
 counts as committed exactly when its ``.metadata`` object exists and is not
-a collection's tombstone (``TOMBSTONE_SIZE``).
+a collection's tombstone (``Tombstone``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import logging
 import re
 import uuid
 
-from .errors import ConditionalWriteError, ObjectNotFoundError, UnsupportedByStoreError
+from .errors import ObjectNotFoundError, UnsupportedByStoreError
 from .storage import MultipartUploadInfo, ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -31,14 +31,39 @@ HF_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 NONCE_KEY = "dcpstore-save"
 GENERATION_DIGITS = 16  # a shard name's generation: the first hex digits of its save's id, one length every save
 
-# What a collection writes as a failed save's .metadata before it deletes the
-# shards, so that a commit still in flight cannot land (see steps).  Unique
-# per write (its ETag is), and of a fixed size far below any pickled Metadata
-# (156 bytes at the least), so a listing tells it from a checkpoint.  It is
-# never deleted by dcpstore: only a conditional write can replace a
-# .metadata without racing a commit (a later save of the step replaces it).
+# What a collection writes as a failed save's .metadata (see collection): a
+# mark, laid before anything of the step is deleted, so that a commit still
+# in flight cannot land unless it replaces exactly that mark; then, as the
+# step's objects go, the sweep's tombstone in place of the mark, which no
+# commit replaces.  Unique per write (its ETag is), and of fixed sizes far
+# below any pickled Metadata (156 bytes at the least), so a listing tells
+# each from the other and from a checkpoint.
 TOMBSTONE_PREFIX = b"dcpstore gc: no checkpoint here "
-TOMBSTONE_SIZE = len(TOMBSTONE_PREFIX) + 32
+TOMBSTONE_SIZE = len(TOMBSTONE_PREFIX) + 32  # a mark
+SWEPT_PREFIX = b"dcpstore gc: swept; no checkpoint here "
+SWEPT_SIZE = len(SWEPT_PREFIX) + 32
+
+
+class Tombstone(enum.Enum):
+    """What a collection left as a step's ``.metadata``."""
+
+    MARKED = TOMBSTONE_PREFIX  # a failed save's debris, to be swept a grace later; a save that finds it may replace it
+    SWEPT = SWEPT_PREFIX  # its objects deleted (or being deleted); removed a grace later
+
+    @classmethod
+    def of_size(cls, size: int | None) -> "Tombstone | None":
+        """The tombstone a ``.metadata`` of ``size`` bytes is, if any."""
+        return {TOMBSTONE_SIZE: cls.MARKED, SWEPT_SIZE: cls.SWEPT}.get(size)
+
+    @classmethod
+    def of_bytes(cls, raw) -> "Tombstone | None":
+        """The tombstone the bytes of a ``.metadata`` are, if any: its size and its prefix."""
+        kind = cls.of_size(len(raw))
+        return kind if kind is not None and bytes(raw[: len(kind.value)]) == kind.value else None
+
+    def new(self) -> bytes:
+        """Its bytes: unique, so its ETag is (a collection replaces one by its ETag)."""
+        return self.value + uuid.uuid4().hex.encode()
 
 
 def generation(save_id: str) -> str:
@@ -89,6 +114,13 @@ class StepInfo:
     last_modified: float | None  # newest object's time
     keys: tuple[str, ...] = ()  # the step's objects as listed, relative to its prefix
     committed_at: float | None = None  # its .metadata's time, if committed
+    etags: tuple[str | None, ...] = ()  # each listed object's ETag, in the order of ``keys``
+    tombstone: "Tombstone | None" = None  # what a collection left as its .metadata, if anything
+
+    def listed(self, keys=None) -> dict[str, str | None]:
+        """The step's objects as listed (of ``keys`` only, if given): key -> ETag, what a deciding delete holds each to."""
+        found = dict(zip(self.keys, self.etags or (None,) * len(self.keys)))
+        return found if keys is None else {k: found[k] for k in keys if k in found}
 
 
 def list_steps(store: ObjectStore, naming: StepNaming | None = None, objects: list | None = None) -> list[StepInfo]:
@@ -104,7 +136,9 @@ def list_steps(store: ObjectStore, naming: StepNaming | None = None, objects: li
     steps = []
     for prefix, objects in grouped.items():
         times = [o.last_modified for _, o in objects if o.last_modified is not None]
-        metadata = next((o for name, o in objects if name == METADATA_KEY and not is_tombstone(o.size)), None)
+        listed_metadata = next((o for name, o in objects if name == METADATA_KEY), None)
+        tombstone = Tombstone.of_size(listed_metadata.size) if listed_metadata is not None else None
+        metadata = listed_metadata if tombstone is None else None
         steps.append(
             StepInfo(
                 step=parse_step(prefix),
@@ -115,24 +149,42 @@ def list_steps(store: ObjectStore, naming: StepNaming | None = None, objects: li
                 last_modified=max(times) if times else None,
                 keys=tuple(name for name, _ in objects),
                 committed_at=metadata.last_modified if metadata is not None else None,
+                etags=tuple(o.etag for _, o in objects),
+                tombstone=tombstone,
             )
         )
     return sorted(steps, key=lambda s: (s.step, s.prefix))
 
 
 def is_tombstone(size: int | None) -> bool:
-    """Whether a ``.metadata`` of ``size`` bytes is a collection's tombstone, not a checkpoint."""
-    return size == TOMBSTONE_SIZE
+    """Whether a ``.metadata`` of ``size`` bytes is a collection's tombstone (either kind), not a checkpoint."""
+    return Tombstone.of_size(size) is not None
 
 
 def holds_tombstone(raw) -> bool:
-    """Whether the bytes of a ``.metadata`` are a collection's tombstone: its size and its prefix, where the bytes are at hand."""
-    return is_tombstone(len(raw)) and bytes(raw[: len(TOMBSTONE_PREFIX)]) == TOMBSTONE_PREFIX
+    """Whether the bytes of a ``.metadata`` are a collection's tombstone, where the bytes are at hand."""
+    return Tombstone.of_bytes(raw) is not None
 
 
-def _new_tombstone() -> bytes:
-    """A tombstone's bytes: unique, so its ETag is (a collection replaces one by it)."""
-    return TOMBSTONE_PREFIX + uuid.uuid4().hex.encode()
+def metadata_state(store: ObjectStore) -> tuple[bool, Tombstone | None, str | None]:
+    """What ``store``'s ``.metadata`` is: whether a checkpoint is committed there, the tombstone there if any, and that tombstone's ETag.
+
+    One HEAD.  Where a HEAD shows no ETag (``memory://``, ``file://``),
+    size and tag come from one read of the object, so they describe the
+    same object.
+    """
+    try:
+        head = store.head(METADATA_KEY)
+        kind = Tombstone.of_size(head.size)
+        if kind is None:
+            return True, None, None
+        if head.etag is not None:
+            return False, kind, head.etag
+        raw, etag = store.get_with_etag(METADATA_KEY)
+    except ObjectNotFoundError:
+        return False, None, None
+    kind = Tombstone.of_bytes(raw)
+    return (False, kind, etag) if kind is not None else (True, None, None)
 
 
 def destination(store: ObjectStore) -> tuple[bool, str | None]:
@@ -140,45 +192,10 @@ def destination(store: ObjectStore) -> tuple[bool, str | None]:
 
     What a save reads before it writes its shards: its commit replaces
     exactly that tombstone (``put(..., if_match=)``), so a collection that
-    buries the step again meanwhile (a new tombstone) refuses it.  Where a
-    HEAD shows no ETag (``memory://``, ``file://``), size and tag come from
-    one read of the object, so they describe the same object.
+    buries the step again meanwhile (a new tombstone) refuses it.
     """
-    try:
-        head = store.head(METADATA_KEY)
-        if head.etag is not None:
-            return (False, head.etag) if is_tombstone(head.size) else (True, None)
-        if not is_tombstone(head.size):
-            return True, None
-        raw, etag = store.get_with_etag(METADATA_KEY)
-    except ObjectNotFoundError:
-        return False, None
-    if holds_tombstone(raw):
-        return False, etag
-    return True, None
-
-
-def lay_tombstone(store: ObjectStore) -> bool:
-    """Write a tombstone as ``store``'s ``.metadata`` unless a checkpoint is there; whether one is there now.
-
-    Conditional both ways: created only where no ``.metadata`` exists, or
-    in place of an earlier tombstone, by its ETag.  Either way a commit
-    that has not landed yet is refused from now on: its PUT is conditional
-    on no ``.metadata`` (or on the tombstone it read before its shards).
-    """
-    try:
-        store.put(METADATA_KEY, _new_tombstone(), if_none_match=True)
-        return True
-    except ConditionalWriteError:
-        pass
-    etag = destination(store)[1]
-    if etag is None:
-        return False  # a checkpoint committed there (or the object went meanwhile: left to the next collection)
-    try:
-        store.put(METADATA_KEY, _new_tombstone(), if_match=etag)
-        return True
-    except ConditionalWriteError:
-        return False  # replaced meanwhile: by a commit, or by another collection that deletes the step itself
+    committed, _, etag = metadata_state(store)
+    return committed, etag
 
 
 def written_by_dcp(key: str) -> bool:
@@ -199,19 +216,29 @@ def not_written_by_dcp(keys) -> list[str]:
     return [k for k in keys if not written_by_dcp(k)]
 
 
-def delete_committed_step(store: ObjectStore, prefix: str) -> list[str]:
+def delete_committed_step(store: ObjectStore, prefix: str, metadata_etag: str | None = None) -> list[str]:
     """Delete a committed step's checkpoint: ``.metadata`` first, so it stops being one before its shards go.
 
-    Only what a DCP writer writes goes (``written_by_dcp``): a Hugging Face
-    export or an evaluation's results saved into the step's folder stay,
-    with a warning naming them.  Returns their keys, relative to the step.
+    Each object goes only while it is what was decided on
+    (``ObjectStore.delete_if_unchanged``): ``.metadata`` with
+    ``metadata_etag`` (the ETag retention listed it with; by default, the
+    one listed here), the shards with the ETags listed here, after which
+    nothing written later is touched.  A ``.metadata`` that changed (a
+    checkpoint committed there anew) keeps the whole step.  Only what a DCP
+    writer writes goes (``written_by_dcp``): a Hugging Face export or an
+    evaluation's results saved into the step's folder stay, with a warning
+    naming them.  Returns their keys, relative to the step.
     """
     child = store.child(prefix)
     try:
-        child.delete([METADATA_KEY])
-        keys = [o.key for o in child.list()]
-        child.delete([k for k in keys if written_by_dcp(k)])
-        others = not_written_by_dcp(keys)
+        listed = {o.key: o.etag for o in child.list()}
+        if METADATA_KEY in listed and child.delete_if_unchanged({METADATA_KEY: metadata_etag or listed[METADATA_KEY]}):
+            logger.warning("%s: not deleted: its .metadata changed since it was listed (committed there anew)", child.url)
+            return []
+        changed = child.delete_if_unchanged({k: e for k, e in listed.items() if written_by_dcp(k) and k != METADATA_KEY})
+        if changed:
+            logger.warning("%s: left %d object(s) rewritten since they were listed (%s)", child.url, len(changed), ", ".join(changed[:5]))
+        others = not_written_by_dcp(listed)
         if others:
             logger.warning(
                 "%s: deleted the checkpoint; left %d object(s) no DCP writer wrote (%s); delete the folder to remove them",
@@ -231,30 +258,9 @@ def open_uploads(store: ObjectStore) -> list[MultipartUploadInfo]:
         return []
 
 
-def delete_incomplete_step(store: ObjectStore, step: StepInfo) -> bool:
-    """Delete the objects ``plan_gc`` listed for an incomplete step, unless it has committed since.
-
-    A tombstone goes in place of ``.metadata`` first (``lay_tombstone``), and
-    only then do the shards go: a commit that listed its shards before they
-    were deleted still cannot land, and one that lands first keeps the
-    collection from deleting anything.  The tombstone stays (see
-    ``TOMBSTONE_PREFIX``).  Only the listed objects go: shards a new save
-    wrote after the listing are left alone.
-    """
-    child = store.child(step.prefix)
-    try:
-        if not lay_tombstone(child):
-            logger.warning("%s: not deleted: it was committed after it was listed as incomplete", child.url)
-            return False
-        child.delete([k for k in step.keys if k != METADATA_KEY])
-        return True
-    finally:
-        child.close()
-
-
 def holds_only_a_tombstone(step: StepInfo) -> bool:
-    """Whether ``step`` is a failed save a collection cleaned: nothing left but its tombstone."""
-    return not step.committed and step.keys == (METADATA_KEY,)
+    """Whether ``step`` is a failed save a collection swept: nothing left but its tombstone."""
+    return step.tombstone is not None and step.keys == (METADATA_KEY,)
 
 
 def committed_steps(store: ObjectStore, naming: StepNaming | None = None) -> list[StepInfo]:

@@ -64,8 +64,8 @@ MiB = 1 << 20
 # Each open defect, the issue that tracks it, and whether the rules that reach it are on.
 DEFECTS = {
     "REUSED_WRITER_OVERWRITES_SHARDS": True,  # issue 56.1 (fixed): a reused writer's shard names repeated
-    "GC_TAKES_A_LONG_UPLOAD": False,  # issue 56.2: gc right after a long multipart upload of a dcpstore save
-    "GC_TAKES_A_STOCK_SAVE": False,  # issue 56.2: gc, then a stock writer's commit over the tombstone
+    "GC_TAKES_A_LONG_UPLOAD": True,  # issue 56.2 (fixed): gc right after a long multipart upload of a dcpstore save
+    "GC_TAKES_A_STOCK_SAVE": True,  # issue 56.2 (fixed): gc, then a stock writer's commit over the tombstone
     "GC_TAKES_A_RUNNING_EXPORT": False,  # issue 59.2: gc while an export reads its next tensors
     "COPY_SOURCE_CHANGED": True,  # issue 56.3 (fixed): an incremental copy of a source rewritten after its HEAD
     "TWO_EXPORTS_ONE_FOLDER": False,  # issue 59.1: the losing export deletes the winner's shards
@@ -73,7 +73,7 @@ DEFECTS = {
     "PLANTED_METADATA_REPUBLISHED": False,  # issue 58.2: a planted .metadata patched into the next step
     "LATE_TEMPLATE": False,  # issue 58.1: the resume thread installs the old structure's template mid-commit
     "ORPHAN_UPLOAD_AFTER_CLOSE": False,  # interactions F x S: an upload left open after close(), under lost answers and 500s
-    "STOCK_RESUME_INTO_TOMBSTONE": False,  # issue 56 ("read"): gc's tombstone is the highest step a stock resume sees
+    "STOCK_RESUME_INTO_TOMBSTONE": True,  # issue 56 ("read", fixed): gc's tombstone was the highest step a stock resume saw
 }
 _asked = os.environ.get("DCPSTORE_MODEL_DEFECTS", "")
 for _name in DEFECTS if _asked == "all" else [n for n in _asked.split(",") if n]:
@@ -376,7 +376,7 @@ class CheckpointWorld(RuleBasedStateMachine):
     def restart(self, data, stock):
         """The job closes (cleanly) and a new one resumes: the latest step, or an earlier one; or stock torchtitan resumes the root."""
         if stock:
-            return self._resume_as_stock_torchtitan_does()
+            return self._resume_as_stock_torchtitan_does(after_gc_now=False)
         if self.job is not None:
             self.job.close()
             self.job = None
@@ -441,15 +441,21 @@ class CheckpointWorld(RuleBasedStateMachine):
         mine = [n for n in self._committed_numbers() if n not in self.ranked and self.oracle.steps[n].sequenced]
         return [n for n in mine if newest is not None and n != newest.number]
 
-    def _resume_as_stock_torchtitan_does(self):
-        """Stock torchtitan 0.3's resume: its own ``_find_load_step`` (the highest ``step-N`` folder with a ``.metadata``), then ``FsspecReader``."""
+    def _resume_as_stock_torchtitan_does(self, after_gc_now: bool):
+        """Stock torchtitan 0.3's resume: its own ``_find_load_step`` (the highest ``step-N`` folder with a ``.metadata``), then ``FsspecReader``.
+
+        A collection's tombstone stays for up to two graces (dcpstore's
+        ``collection``: marked, then swept), and stock torchtitan takes any
+        ``.metadata`` for a checkpoint: it meets one only before a collection
+        is done, never right after ``dcpstore gc --now`` (``after_gc_now``).
+        """
         s3fs.S3FileSystem.clear_instance_cache()  # its listing, as a freshly started job's
         highest = CheckpointManager._find_load_step(types.SimpleNamespace(folder=self.root))
         step = self.oracle.steps.get(highest)
         if highest < 0 or highest in self.oracle.planted or (step is not None and step.tampered):
             return  # planted or rewritten bytes are any stock reader's hazard, not a step dcpstore wrote
         if step is None or not step.committed:
-            if not DEFECTS["STOCK_RESUME_INTO_TOMBSTONE"]:
+            if not (DEFECTS["STOCK_RESUME_INTO_TOMBSTONE"] and after_gc_now):
                 return
             raise Violation(f"stock torchtitan resumes step {highest}, the highest with a .metadata, which is not a checkpoint")
         loaded = zeros_like_state_dict(step.contents[0])
@@ -474,18 +480,26 @@ class CheckpointWorld(RuleBasedStateMachine):
 
     # -- gc -------------------------------------------------------------------------------------
 
-    @rule(grace=st.sampled_from([GRACE, 3600.0]), keep_last=st.none() | st.integers(1, 3), aged=st.booleans())
+    @rule(grace=st.sampled_from([GRACE, 3600.0]), keep_last=st.none() | st.integers(1, 3), aged=st.booleans(), now=st.booleans())
     @counted
-    def gc(self, grace, keep_last, aged):
-        """``dcpstore gc`` of the root, while no save runs (the rules below race it with one); ``aged``: once what is there is older than the grace."""
+    def gc(self, grace, keep_last, aged, now=False):
+        """``dcpstore gc`` of the root, while no save runs (the rules below race it with one); ``aged``: once what is there is older than the grace.
+
+        ``now`` (with the short grace): ``--now``, which waits out the grace
+        between mark, sweep and unmark; after it, stock torchtitan resumes a
+        checkpoint, never a tombstone.
+        """
+        now = now and grace == GRACE
         if aged and grace == GRACE:
             time.sleep(2 * GRACE)  # objects age on the server's clock: no event stands for that
         try:
-            self._gc("--grace", str(grace), *(["--keep-last", str(keep_last)] if keep_last else []))
+            self._gc("--grace", str(grace), *(["--keep-last", str(keep_last)] if keep_last else []), *(["--now"] if now else []))
         finally:
             self._operation_done()
         if keep_last is not None:
             self.oracle.keep_last(keep_last)
+        if now:
+            self._resume_as_stock_torchtitan_does(after_gc_now=True)
 
     @rules_for("GC_TAKES_A_LONG_UPLOAD")
     @rule()

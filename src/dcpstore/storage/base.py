@@ -34,6 +34,7 @@ class ObjectInfo:
     key: str  # relative to the store's root
     size: int
     last_modified: float | None = None  # seconds since the epoch
+    etag: str | None = None  # as listed (quoted, as S3 lists it); None where the store lists none
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +274,33 @@ class ObjectStore:
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:
             self._retrying("DELETE", key, lambda k=key: self.fs.rm_file(self._path(k)))
+
+    def delete_if_unchanged(self, objects: dict[str, str | None]) -> list[str]:
+        """Delete each of ``objects`` (key -> the ETag it was listed or written with) only while it is still that object; the keys left because they changed.
+
+        What every deciding delete uses (gc, retention, a failed save's
+        cleanup): an object rewritten since the decision is not the one
+        decided on.  S3 checks the ETag itself (``DeleteObjects``); here,
+        a check then a delete under a process-wide lock, exact within one
+        process.  ``None``: no ETag to hold it to (a store that lists none),
+        deleted unconditionally.  A key already gone counts as deleted.
+        """
+        changed = []
+        with conditional_lock:
+            for key, etag in objects.items():
+                if etag is not None:
+                    try:
+                        current = self.get_with_etag(key)[1]
+                    except ObjectNotFoundError:
+                        continue
+                    if current is None or current.strip('"') != etag.strip('"'):
+                        changed.append(key)
+                        continue
+                try:
+                    self.delete([key])
+                except ObjectNotFoundError:
+                    pass
+        return changed
 
     def list_multipart_uploads(self, prefix: str = "") -> list[MultipartUploadInfo]:
         """Open multipart uploads under ``prefix``; only object stores have them."""

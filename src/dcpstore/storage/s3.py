@@ -254,6 +254,7 @@ class S3ObjectStore(S3Requests):
                         key=self._relative(f"{bucket}/{obj['Key']}"),
                         size=int(obj["Size"]),
                         last_modified=modified.timestamp() if modified else None,
+                        etag=obj.get("ETag") or None,
                     )
                 )
         return sorted(out, key=lambda o: o.key)
@@ -269,15 +270,28 @@ class S3ObjectStore(S3Requests):
         return sorted(out)
 
     def delete(self, keys: Iterable[str]) -> None:
-        keys = list(keys)
+        self.delete_if_unchanged(dict.fromkeys(keys))
+
+    def delete_if_unchanged(self, objects: dict[str, str | None]) -> list[str]:
+        """See ``ObjectStore.delete_if_unchanged``: ``DeleteObjects`` of up to 1,000 keys a request, each with its ``ETag`` element.
+
+        S3 deletes an object so tagged only while its ETag matches, and
+        answers ``PreconditionFailed`` for it otherwise (moto 5.2 ignores
+        the element; the test proxy models S3's answer).
+        """
+        keys, changed = list(objects), []
         for i in range(0, len(keys), 1000):
             batch = keys[i : i + 1000]
             bucket = self._split(batch[0])[0]
-            objects = [{"Key": self._split(k)[1]} for k in batch]
-            resp = self._run(self._call("DELETE", batch[0], "delete_objects", Bucket=bucket, Delete={"Objects": objects, "Quiet": True}))
-            if resp.get("Errors"):
-                err = resp["Errors"][0]
-                raise OSError(f"{self.url}/{err.get('Key')}: delete failed ({err.get('Code')}: {err.get('Message')})")
+            entries = [{"Key": self._split(k)[1], **({"ETag": objects[k]} if objects[k] else {})} for k in batch]
+            resp = self._run(self._call("DELETE", batch[0], "delete_objects", Bucket=bucket, Delete={"Objects": entries, "Quiet": True}))
+            for err in resp.get("Errors", []):
+                key = self._relative(f"{bucket}/{err.get('Key')}")
+                if err.get("Code") == "PreconditionFailed":
+                    changed.append(key)
+                elif err.get("Code") != "NoSuchKey":
+                    raise OSError(f"{self.url_for(key)}: delete failed ({err.get('Code')}: {err.get('Message')})")
+        return changed
 
     def list_multipart_uploads(self, prefix: str = "") -> list[MultipartUploadInfo]:
         return self._run(self._list_uploads(prefix))
