@@ -189,7 +189,7 @@ def test_a_commit_whose_shards_are_gone_writes_no_metadata(bucket, store, proxy,
     thread, outcome = _save_in_background(f"s3://{bucket}/run/step_00000002", proxy.endpoint, sample_state_dict())
     try:
         assert listing.arrived.wait(60), "the commit did not list its step"
-        shard = next(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="run/step_00000002/")["Contents"])
+        shard = next(o["Key"] for o in client.list_objects_v2(Bucket=bucket, Prefix="run/step_00000002/")["Contents"] if o["Key"].endswith(".distcp"))
         client.delete_object(Bucket=bucket, Key=shard)
     finally:
         held.set()
@@ -243,3 +243,27 @@ def test_gc_deletes_nothing_that_changed_since_it_was_listed(bucket, store, clie
 
 
 
+
+def test_a_running_saves_lease_keeps_gc_from_marking_its_step(bucket, store, proxy):
+    """An ``AsyncCheckpointer(gc_grace=...)`` renews its lease every quarter grace: its commit held past the grace, gc finds the step live.
+
+    Its shards are older than the grace, as a long upload's are when it
+    lands; only the lease under the step is recent.  Once the save is done,
+    no lease is left.
+    """
+    held = threading.Event()
+    put = proxy.add("PUT", r"/run/step_00000004/\.metadata", hold=held, times=1)
+    with dcpstore.AsyncCheckpointer(f"s3://{bucket}/run", storage_options={"endpoint_url": proxy.endpoint}, gc_grace=GRACE) as ckpt:
+        ckpt.save(sample_state_dict(), step=4)
+        try:
+            assert put.arrived.wait(60)
+            shards = [o.last_modified for o in store.list("step_00000004") if o.key.endswith(".distcp")]
+            while store.server_time() - max(shards) <= GRACE:  # the shards age past the grace on the server's clock
+                time.sleep(0.2)
+            plan = plan_gc(store, None, grace=GRACE)
+            assert plan.empty, plan
+        finally:
+            held.set()
+        ckpt.wait()
+    keys = [o.key for o in store.list("step_00000004")]
+    assert "step_00000004/.metadata" in keys and not any(".dcpstore-lease-" in k for k in keys), keys

@@ -227,6 +227,8 @@ class AsyncCheckpointer:
             commit_window=commit_window,
             incremental=incremental,
         )
+        if gc_grace is not None:  # its own collections must find its running saves live (see lease)
+            self._writer.lease_period = min(self._writer.lease_period, gc_grace / 4)
         self._retention = Retention(
             self.store, keep_last, gc_grace, self.step_naming, self._order, self._coll.timeout_s(collective_timeout)
         )

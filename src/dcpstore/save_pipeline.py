@@ -112,6 +112,8 @@ class SavePipeline:
             # A collective failed (a peer died or timed out) or staging broke.
             # Nothing was committed; say so in the one error type callers handle.
             raise CheckpointSaveError(job.url, {self.coll.rank: describe(e)}) from e
+        finally:
+            self.writer.release_lease()  # the coordinator's: a failed save's step may be collected
 
     def _run_phases(self, job: SaveJob) -> SaveStats:
         writer = self.writer

@@ -30,6 +30,9 @@ time, so it never replaces a commit it has not seen, and afterwards deletes
 exactly the shards the replaced ``.metadata`` referenced: it never lists.
 That storage side of the commit is ``commit.Destination``.
 
+While a save runs, its coordinator holds a lease under the step (``lease``),
+so that a collection does not take it for a failed save's debris.
+
 Plans: every rank's local plan rides to the coordinator inside its
 ``SavePlan.storage_data``, and ``finish()`` persists them in the compact
 form of ``planner_data.encode_plans`` (``persisted_plans``).
@@ -67,6 +70,7 @@ from .commit import Destination, Outcome, delete_quietly, settle
 from .errors import DcpstoreError
 from .incremental import IncrementalState
 from .layout import generation
+from .lease import DEFAULT_PERIOD as DEFAULT_LEASE_PERIOD, Lease
 from .staging import StagedItems, StagingPool
 from .metadata_builder import MetadataBuilder
 from .persisted_plans import PersistedPlans, attach_local_plan
@@ -203,6 +207,10 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self._store: ObjectStore | None = None
         self._saves = 0  # saves begun: the same count on every rank (see _CommitPrefix)
         self._free_staging: list[StagingPool] = []  # for dcp.async_save: pools no staged copy holds now
+        self._lease: Lease | None = None  # the coordinator's, while a save runs
+        # Seconds between renewals of a save's lease: a quarter of the shortest grace any collection of
+        # this root runs with (an AsyncCheckpointer sets it from its gc_grace; see lease).
+        self.lease_period = DEFAULT_LEASE_PERIOD
         # Builds .metadata (in full, or patched from the last one) and the resume index; kept across saves.
         self.builder = MetadataBuilder(checksums)
         # What the next save may copy (see ``incremental``); an AsyncCheckpointer tells it each commit.
@@ -217,7 +225,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         pools and the S3 client cannot travel and are remade there.
         """
         state = self.__dict__.copy()
-        state["_store"] = state["_executor"] = None
+        state["_store"] = state["_executor"] = state["_lease"] = None
         state["builder"] = MetadataBuilder(self.checksums)  # no template travels: the first save there commits in full
         state["_free_staging"] = []  # host memory stays in this process
         state["incremental"] = None  # a checkpointer's, in this process
@@ -286,6 +294,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self._saves += 1
         self._commit_nonce = self.save_id  # the coordinator's, from the plan (see _CommitPrefix)
         self._begun = False  # set_up_storage_writer has not started this save yet
+        self.release_lease()  # the last save's, if it ended before its commit
         if self.incremental is not None:
             self.incremental.begin()
 
@@ -301,6 +310,8 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
                 f"{self.url}: dcp.save(use_collectives=False) writes no global .metadata, "
                 "and dcpstore commits a checkpoint by that object; save with collectives"
             )
+        if is_coordinator:  # held until the commit (see lease)
+            self._lease = Lease(self.store, self.save_id, self.lease_period)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.check_destination()
@@ -460,12 +471,21 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         return True
 
     def commit(self, raw_metadata: bytes | bytearray, paths: set[str]) -> None:
-        """Write ``.metadata`` naming ``paths`` and this save's resume index (see ``commit.Destination.commit``)."""
-        self.destination.commit(
-            self.store, raw_metadata, paths | ({self._index_key} if self._index_key else set()),
-            nonce=self.save_id, overwrite=self.overwrite, tags={**self.commit_tags, **self._index_tags}, window=self.commit_window,
-            put_deadline=self.put_deadline, rank=self.rank,
-        )
+        """Write ``.metadata`` naming ``paths`` and this save's resume index (see ``commit.Destination.commit``); the save's lease ends with it."""
+        try:
+            self.destination.commit(
+                self.store, raw_metadata, paths | ({self._index_key} if self._index_key else set()),
+                nonce=self.save_id, overwrite=self.overwrite, tags={**self.commit_tags, **self._index_tags}, window=self.commit_window,
+                put_deadline=self.put_deadline, rank=self.rank,
+            )
+        finally:
+            self.release_lease()
+
+    def release_lease(self) -> None:
+        """End this save's lease (see ``lease``): after its commit, when it failed, or as the next save begins."""
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
 
     def delete_shards(self, results: list[WriteResult]) -> None:
         """Delete the shard objects of a save that was not committed (best effort)."""
@@ -485,6 +505,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
 
     def close(self) -> None:
         """Stop the upload threads, finish failed aborts, and release the store (its pools go with the last store on them)."""
+        self.release_lease()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
