@@ -267,3 +267,94 @@ def test_a_running_saves_lease_keeps_gc_from_marking_its_step(bucket, store, pro
         ckpt.wait()
     keys = [o.key for o in store.list("step_00000004")]
     assert "step_00000004/.metadata" in keys and not any(".dcpstore-lease-" in k for k in keys), keys
+
+
+def _aged(store, grace: float = 1.0) -> None:
+    newest = max(o.last_modified or 0.0 for o in store.list())
+    while store.server_time() - newest <= grace:
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_on_a_filesystem_a_sweep_or_an_unmark_never_undoes_a_commit_made_after_the_listing(scheme, tmp_path):
+    """A filesystem lists no ETags: the sweep reads the mark again, and deletes hold each object to its listed size and time.
+
+    Found by review: the sweep overwrote, and the unmark deleted, the
+    ``.metadata`` of a save that committed in place of the tombstone
+    between gc's listing and its act.
+    """
+    root = f"file://{tmp_path}/run" if scheme == "file" else f"memory://gc-fs-{int(time.time() * 1e6)}/run"
+    store = open_store(root)
+    for phase in ("sweep", "unmark"):
+        step = 1 if phase == "sweep" else 2
+        store.put(f"step_0000000{step}/__0_dead_0.distcp", b"debris of a failed save")
+        for _ in range(1 if phase == "sweep" else 2):  # marked (and swept)
+            _aged(store)
+            plan_gc(store, None, 1.0).run(store)
+        _aged(store)
+        plan = plan_gc(store, None, 1.0)
+        assert [s.step for s in (plan.sweeps if phase == "sweep" else plan.unmarks)] == [step]
+        state = sample_state_dict()
+        dcp.save(state, storage_writer=dcpstore.ObjectStoreWriter(f"{root}/step_0000000{step}"))  # in place of the tombstone
+        plan.run(store)
+        assert step in [s.step for s in list_steps(store) if s.committed], phase
+        loaded = zeros_like_state_dict(state)
+        dcp.load(loaded, storage_reader=dcpstore.ObjectStoreReader(f"{root}/step_0000000{step}"))
+        assert torch.equal(loaded["model"]["embed.weight"], state["model"]["embed.weight"])
+
+
+def test_a_save_whose_tombstone_is_removed_before_its_commit_commits(bucket, store, proxy, client):
+    """The save found the sweep's tombstone; gc removes it while the commit is on its way: S3 answers the If-Match 404, and the commit goes in with If-None-Match."""
+    client.put_object(Bucket=bucket, Key="run/step_00000001/__0_dead_0.distcp", Body=b"debris")
+    for _ in range(2):
+        wait_until_older_than(store, GRACE)
+        plan_gc(store, None, GRACE).run(store)  # mark, then sweep
+    wait_until_older_than(store, GRACE)
+    plan = plan_gc(store, None, GRACE)
+    assert [s.step for s in plan.unmarks] == [1]
+    held = threading.Event()
+    put = proxy.add("PUT", r"/run/step_00000001/\.metadata", hold=held, times=1)
+    thread, outcome = _save_in_background(f"s3://{bucket}/run/step_00000001", proxy.endpoint, sample_state_dict())
+    try:
+        assert put.arrived.wait(60)
+        plan.run(store)
+    finally:
+        held.set()
+        thread.join(120)
+    assert "error" not in outcome, outcome
+    assert [s.step for s in list_steps(store) if s.committed] == [1]
+
+
+def test_gc_now_leaves_no_tombstone_behind(tmp_path, capsys):
+    """A step still live when ``gc --now`` began is not marked by its later rounds: it is left with no ``.metadata``, not a tombstone."""
+    root = f"file://{tmp_path}/run"
+    store = open_store(root)
+    store.put("step_00000001/__0_a_0.distcp", b"debris of an old failed save")
+    _aged(store, 1.5)
+    store.put("step_00000002/__0_b_0.distcp", b"debris of the save that failed just now")
+    assert main(["gc", root, "--grace", "1", "--now"]) == 0
+    assert "done: 1 incomplete steps marked, 1 deleted, 1 tombstones removed" in capsys.readouterr().out
+    assert [(s.step, s.tombstone) for s in list_steps(store)] == [(2, None)]
+
+
+def test_a_failed_plain_save_ends_its_lease(tmp_path):
+    """torch tells a writer nothing of a failed save: the lease ends when the coordinator's write fails, or the writer is dropped."""
+    writer = dcpstore.ObjectStoreWriter(f"file://{tmp_path}/run/step_00000001")
+    writer.lease_period = 0.05
+    with pytest.raises(BaseException):
+        dcp.save({"w": torch.randn(8), "bad": lambda: None}, storage_writer=writer)  # the lambda fails to pickle
+    assert not [t for t in threading.enumerate() if t.name == "dcpstore-lease"]
+    assert not any(".dcpstore-lease-" in o.key for o in open_store(f"file://{tmp_path}/run").list())
+
+
+def test_every_copy_of_a_writer_sent_to_a_checkpoint_process_saves_under_fresh_names(tmp_path):
+    """``dcp.async_save(..., PROCESS)`` pickles the writer for every save and calls ``reset`` only with a checkpoint_id."""
+    import pickle
+
+    writer = dcpstore.ObjectStoreWriter(f"file://{tmp_path}/ckpt", overwrite=True)
+    ids = []
+    for i in range(2):
+        copy = pickle.loads(pickle.dumps(writer))  # what the checkpoint process receives
+        dcp.save({"w": torch.full((8,), float(i))}, storage_writer=copy)
+        ids.append(copy.save_id)
+    assert ids[0] != ids[1]

@@ -561,8 +561,9 @@ def test_a_conditional_delete_on_a_filesystem(scheme, tmp_path):
     store = open_store(f"file://{tmp_path}/d" if scheme == "file" else "memory://cond-delete/d")
     store.put("a", b"a")
     store.put("b", b"b")
-    tags = {key: store.get_with_etag(key)[1] for key in ("a", "b")}
-    store.put("b", b"rewritten")
+    tags = {o.key: o.etag for o in store.list()}  # a filesystem's listing: size and modification time
+    assert all(tags.values())
+    store.put("b", b"rewritten")  # another size (and time)
     assert store.delete_if_unchanged(tags) == ["b"]
     assert [o.key for o in store.list()] == ["b"]
     store.close()

@@ -252,13 +252,15 @@ def cmd_gc(args) -> int:
         return 0
     progress = lambda items, desc, unit: _progress(items, desc, unit, at_least=5)  # noqa: E731
     if args.now:
-        deleted = collect_now(store, args.grace, plan, progress,
-                              waiting=lambda seconds: print(f"--now: collecting again in {seconds:.0f}s, once what was marked or swept is a grace old"))
+        rounds = collect_now(store, args.grace, plan, progress,
+                             waiting=lambda seconds: print(f"--now: collecting again in {seconds:.0f}s, once what was marked or swept is a grace old"))
     else:
-        deleted = plan.run(store, progress)
+        rounds = [(plan, plan.run(store, progress))]
+    total = lambda count: sum(count(p) for p, _ in rounds)  # noqa: E731
     print(
-        f"done: {len(plan.marks)} incomplete steps marked, {deleted} deleted, {len(plan.unmarks)} tombstones removed, "
-        f"{len(plan.pruned)} committed steps deleted, {len(plan.exports)} failed exports deleted, {len(plan.uploads)} uploads aborted"
+        f"done: {total(lambda p: len(p.marks))} incomplete steps marked, {sum(swept for _, swept in rounds)} deleted, "
+        f"{total(lambda p: len(p.unmarks))} tombstones removed, {len(plan.pruned)} committed steps deleted, "
+        f"{total(lambda p: len(p.exports))} failed exports deleted, {total(lambda p: len(p.uploads))} uploads aborted"
     )
     return 0
 

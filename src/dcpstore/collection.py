@@ -76,6 +76,7 @@ from .layout import (
     delete_committed_step,
     holds_only_a_tombstone,
     list_steps,
+    metadata_state,
     not_written_by_dcp,
     open_uploads,
     parse_step,
@@ -103,8 +104,10 @@ def mark(store: ObjectStore, step: StepInfo) -> bool:
     """
     child = store.child(step.prefix)
     try:
-        swept = step.listed([METADATA_KEY]).get(METADATA_KEY) if step.tombstone is Tombstone.SWEPT else None
+        swept = _tombstone_tag(child, Tombstone.SWEPT) if step.tombstone is Tombstone.SWEPT else None
         try:
+            if step.tombstone is Tombstone.SWEPT and swept is None:
+                raise ConditionalWriteError("the sweep's tombstone listed there is gone or replaced")
             child.put(METADATA_KEY, Tombstone.MARKED.new(), if_none_match=swept is None, if_match=swept)
             return True
         except ConditionalWriteError:
@@ -112,6 +115,18 @@ def mark(store: ObjectStore, step: StepInfo) -> bool:
             return False
     finally:
         child.close()
+
+
+def _tombstone_tag(child: ObjectStore, kind: Tombstone) -> str | None:
+    """The tag ``put(..., if_match=)`` expects of the step's ``.metadata`` if it is still a tombstone of ``kind``; else ``None``.
+
+    Read now (one HEAD; a read of 64 bytes where the store has no ETags),
+    not taken from the listing: a filesystem lists no ETags, and a
+    tombstone's bytes are unique, so the one read now is the one listed
+    unless a commit replaced it, which the kind read here tells.
+    """
+    _, found, tag = metadata_state(child)
+    return tag if found is kind else None
 
 
 def sweep(store: ObjectStore, step: StepInfo) -> bool:
@@ -123,8 +138,11 @@ def sweep(store: ObjectStore, step: StepInfo) -> bool:
     child = store.child(step.prefix)
     try:
         listed = step.listed()
+        mark = _tombstone_tag(child, Tombstone.MARKED)
         try:
-            child.put(METADATA_KEY, Tombstone.SWEPT.new(), if_match=listed[METADATA_KEY])
+            if mark is None:
+                raise ConditionalWriteError("the mark is gone or replaced")
+            child.put(METADATA_KEY, Tombstone.SWEPT.new(), if_match=mark)
         except ConditionalWriteError:
             logger.warning("%s: not deleted: it was committed after it was marked as a failed save's debris", child.url)
             return False
@@ -137,7 +155,7 @@ def sweep(store: ObjectStore, step: StepInfo) -> bool:
 
 
 def unmark(store: ObjectStore, step: StepInfo) -> bool:
-    """Phase 3: delete the sweep's tombstone, by the ETag listed; whether it went."""
+    """Phase 3: delete the sweep's tombstone, held to the tag listed (a filesystem's: size and time); whether it went."""
     child = store.child(step.prefix)
     try:
         return not child.delete_if_unchanged(step.listed([METADATA_KEY]))
@@ -307,23 +325,29 @@ def _step_of(upload: MultipartUploadInfo) -> str:
 
 
 def collect_now(store: ObjectStore, grace: float, plan: GcPlan, progress=lambda items, desc, unit: items,
-                waiting=lambda seconds: None) -> int:
-    """``dcpstore gc --now``: run ``plan``, then, while a step holds a collection's tombstone, wait out the grace and collect again; steps swept.
+                waiting=lambda seconds: None) -> list[tuple[GcPlan, int]]:
+    """``dcpstore gc --now``: run ``plan``, then, while a step holds a collection's tombstone, wait out the grace and sweep or unmark it.
 
-    At most two waits: what one run marks, the next sweeps, and what that
-    sweeps, the third unmarks.  Each wait is the grace plus a second (object
-    times have one-second resolution), on this machine's clock, announced by
-    ``waiting(seconds)``; a phase whose step is not dead yet on the server's
-    clock (a save is writing there) is left to a later run.
+    Each round's plan and the steps it swept.  At most two waits: what the
+    first run marks, the second sweeps, and the third unmarks.  The later
+    rounds mark nothing new: a step that was live when the command began
+    (a save that just failed, or one still running) is left as it is, with
+    no tombstone a stock reader could take for its ``.metadata``.  Each
+    wait is the grace plus a second (object times have one-second
+    resolution), on this machine's clock, announced by ``waiting(seconds)``;
+    a phase whose step is not dead yet on the server's clock is left to a
+    later run.
     """
-    swept = plan.run(store, progress)
+    rounds = [(plan, plan.run(store, progress))]
     for _ in range(2):
         if not any(s.tombstone is not None for s in list_steps(store)):
             break
         waiting(grace + 1.0)
         time.sleep(grace + 1.0)
-        swept += plan_gc(store, None, grace).run(store, progress)
-    return swept
+        plan = plan_gc(store, None, grace)
+        plan.marks = []
+        rounds.append((plan, plan.run(store, progress)))
+    return rounds
 
 
 class Retention:

@@ -136,6 +136,9 @@ def write_metadata(
     except ConditionalWriteError as e:
         return Outcome.REFUSED, e  # the store already told its own lost answer from another writer's object
     except Exception as e:  # noqa: BLE001 - it may have taken effect: storage decides
+        if isinstance(e, ObjectNotFoundError) and replaced_etag is not None:
+            # If-Match on an object that is gone: S3 answers 404, not 412 (a collection removed the tombstone).
+            return Outcome.REFUSED, e
         if tries.may_have_landed:
             time.sleep(landing_margin(store, len(raw)))  # an attempt unanswered, or answered 5xx, may still land
         return settle(store, nonce, replaced_etag), e

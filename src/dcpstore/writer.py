@@ -207,7 +207,9 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         self._store: ObjectStore | None = None
         self._saves = 0  # saves begun: the same count on every rank (see _CommitPrefix)
         self._free_staging: list[StagingPool] = []  # for dcp.async_save: pools no staged copy holds now
-        self._lease: Lease | None = None  # the coordinator's, while a save runs
+        # The coordinator's lease while a save runs: its release, also called if the writer is dropped
+        # after a save that failed before its commit (torch tells a writer nothing of that).
+        self._lease: weakref.finalize | None = None
         # Seconds between renewals of a save's lease: a quarter of the shortest grace any collection of
         # this root runs with (an AsyncCheckpointer sets it from its gc_grace; see lease).
         self.lease_period = DEFAULT_LEASE_PERIOD
@@ -226,6 +228,9 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
         """
         state = self.__dict__.copy()
         state["_store"] = state["_executor"] = state["_lease"] = None
+        # torch sends a copy for each save and calls reset() only with a checkpoint_id:
+        # the copy's set_up_storage_writer begins a save of its own, under a fresh save_id.
+        state["_begun"] = True
         state["builder"] = MetadataBuilder(self.checksums)  # no template travels: the first save there commits in full
         state["_free_staging"] = []  # host memory stays in this process
         state["incremental"] = None  # a checkpointer's, in this process
@@ -310,8 +315,8 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
                 f"{self.url}: dcp.save(use_collectives=False) writes no global .metadata, "
                 "and dcpstore commits a checkpoint by that object; save with collectives"
             )
-        if is_coordinator:  # held until the commit (see lease)
-            self._lease = Lease(self.store, self.save_id, self.lease_period)
+        if is_coordinator:  # held until the commit, a failure, the next save, close(), or the writer's end (see lease)
+            self._lease = weakref.finalize(self, Lease(self.store, self.save_id, self.lease_period).release)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self.check_destination()
@@ -387,6 +392,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
             except Exception as e:  # noqa: BLE001 - collected, first one raised
                 errors.append((name, e))
         if errors:
+            self.release_lease()  # this save will not commit: its step is debris once it ends
             name, first = errors[0]
             if isinstance(first, (OSError, DcpstoreError)):  # ours name the object or the key already
                 raise first
@@ -484,7 +490,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
     def release_lease(self) -> None:
         """End this save's lease (see ``lease``): after its commit, when it failed, or as the next save begins."""
         if self._lease is not None:
-            self._lease.release()
+            self._lease()  # a finalizer: runs once, and no longer at the writer's end
             self._lease = None
 
     def delete_shards(self, results: list[WriteResult]) -> None:

@@ -252,6 +252,7 @@ class ObjectStore:
                     key=self._relative(path),
                     size=int(info.get("size") or 0),
                     last_modified=_mtime(info),
+                    etag=_listing_tag(info),
                 )
                 for path, info in found.items()
                 if info.get("type", "file") != "directory"
@@ -280,20 +281,21 @@ class ObjectStore:
 
         What every deciding delete uses (gc, retention, a failed save's
         cleanup): an object rewritten since the decision is not the one
-        decided on.  S3 checks the ETag itself (``DeleteObjects``); here,
-        a check then a delete under a process-wide lock, exact within one
-        process.  ``None``: no ETag to hold it to (a store that lists none),
-        deleted unconditionally.  A key already gone counts as deleted.
+        decided on.  S3 checks the ETag itself (``DeleteObjects``); here the
+        tag is what ``list`` reports (size and modification time, see
+        ``_listing_tag``), checked then deleted under a process-wide lock:
+        exact within one process.  ``None``: nothing to hold it to, deleted
+        unconditionally.  A key already gone counts as deleted.
         """
         changed = []
         with conditional_lock:
             for key, etag in objects.items():
                 if etag is not None:
                     try:
-                        current = self.get_with_etag(key)[1]
+                        current = self._retrying("HEAD", key, lambda k=key: _listing_tag(self.fs.info(self._path(k))))
                     except ObjectNotFoundError:
                         continue
-                    if current is None or current.strip('"') != etag.strip('"'):
+                    if current != etag:
                         changed.append(key)
                         continue
                 try:
@@ -544,6 +546,16 @@ class _BufferedObjectWriter(ObjectWriter):
 
     def abort(self) -> None:
         self._buf = bytearray()
+
+
+def _listing_tag(info: dict) -> str:
+    """What a filesystem listing says of an object in place of an ETag: its size and modification time.
+
+    Reading every object to hash it would make a listing cost the bytes it
+    lists; a rewrite changes the time (a new file, or ``memory://``'s new
+    object), which is what a deciding delete must notice.
+    """
+    return f"{int(info.get('size') or 0)}@{_mtime(info)}"
 
 
 def _mtime(info: dict) -> float | None:
