@@ -196,10 +196,12 @@ def test_single_process_cpu_path_and_staging_isolation(bucket):
     out = {"w": torch.zeros(1000)}
     ckpt.load(out, step=1)
     assert torch.equal(out["w"], torch.arange(1000.0))
-    with pytest.raises(dcpstore.StateDictMismatchError, match="keys missing from the checkpoint: extra"):
+    with pytest.raises(dcpstore.CheckpointLoadError, match="rank 0: StateDictMismatchError: .*keys missing from the checkpoint: extra") as e:
         ckpt.load({"w": torch.zeros(1000), "extra": torch.zeros(1)}, step=1)
-    with pytest.raises(dcpstore.CheckpointNotFoundError):
+    assert isinstance(e.value.__cause__, dcpstore.StateDictMismatchError)
+    with pytest.raises(dcpstore.CheckpointNotFoundError) as e:
         ckpt.load(out, step=99)
+    assert isinstance(e.value, dcpstore.CheckpointLoadError)  # one except catches every failed load
     ckpt.close()
 
 
@@ -212,12 +214,18 @@ def test_saving_a_committed_step_again_fails_on_every_rank(bucket):
 
 
 def test_a_load_that_cannot_succeed_fails_on_every_rank_and_the_group_goes_on(bucket):
+    """Issue 57.1: one rank's mismatch fails every rank at once with ``CheckpointLoadError`` naming it (before, rank 0 waited in
+    ``dcp.load`` for the group's timeout and then raised gloo's error).  The collective timeout here is a minute: a rank that
+    waited for it would not report the mismatch."""
     root = f"s3://{bucket}/run"
     results = run_ranks(checkpointer_load_errors, 2, root)
-    (errors0, loaded0), (errors1, loaded1) = results.values()
+    (errors0, mismatch0, loaded0), (errors1, mismatch1, loaded1) = results.values()
     assert errors0 == errors1 and len(errors0) == 2
     assert "no committed checkpoint to load" in errors0[0]
     assert "step_00000099/.metadata: no metadata object" in errors0[1]
+    for name, message, _ in (mismatch0, mismatch1):
+        assert name == "CheckpointLoadError" and "rank 1: StateDictMismatchError" in message and "replicated" in message, message
+    assert mismatch0[1] == mismatch1[1] and mismatch1[2] == "StateDictMismatchError"  # the same error; rank 1's own is its cause
     assert_same(loaded0, loaded1)
 
 

@@ -162,8 +162,9 @@ def test_planted_metadata_is_refused_everywhere(payload, root, marker, capsys):
         dcpstore.ObjectStoreReader(url).read_metadata()
     with pytest.raises(BaseException, match=refused):
         dcp.load({"w": torch.zeros(3)}, storage_reader=dcpstore.ObjectStoreReader(url), no_dist=True)
-    with dcpstore.AsyncCheckpointer(root.url) as ckpt, pytest.raises(dcpstore.UnsafeCheckpointError, match=refused):
+    with dcpstore.AsyncCheckpointer(root.url) as ckpt, pytest.raises(dcpstore.CheckpointLoadError, match=refused) as e:
         ckpt.load({"w": torch.zeros(3)})
+    assert isinstance(e.value.__cause__, dcpstore.UnsafeCheckpointError)
     for command in (["inspect", url], ["inspect", url, "--json"], ["verify", url], ["verify", url, "--deep"]):
         assert main(command) == 1, command
         assert re.search(refused, capsys.readouterr().err), command

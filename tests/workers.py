@@ -247,7 +247,7 @@ def checkpointer_returns_before_upload(rank, world_size, root, proxy_endpoint):
 
 
 def checkpointer_load_errors(rank, world_size, root):
-    """Loads that cannot succeed fail on every rank with the coordinator's error; the group stays usable."""
+    """Loads that cannot succeed fail on every rank with the coordinator's error, or with rank 1's mismatch; the group stays usable."""
     ckpt = dcpstore.AsyncCheckpointer(root)
     sd = sharded_state_dict(world_size, 0, zeros=True)
     errors = []
@@ -257,9 +257,17 @@ def checkpointer_load_errors(rank, world_size, root):
         except dcpstore.CheckpointNotFoundError as e:
             errors.append(str(e))
     ckpt.save(sharded_state_dict(world_size, 0), step=1).result()
+    mismatched = sharded_state_dict(world_size, 0, zeros=True)
+    if rank == 1:  # one rank's state dict does not match the checkpoint; the others' does
+        mismatched["model"]["replicated"] = torch.zeros(4, 4)
+    try:
+        ckpt.load(mismatched, step=1)
+        mismatch = None
+    except dcpstore.CheckpointLoadError as e:
+        mismatch = (type(e).__name__, str(e), type(e.__cause__).__name__)
     ckpt.load(sd, step=1)
     ckpt.close()
-    return errors, gathered(sd)
+    return errors, mismatch, gathered(sd)
 
 
 def checkpointer_plan_changes_on_one_rank(rank, world_size, root, rank0_drops_replicated=False):

@@ -15,6 +15,7 @@ only where the structure changed, something failed, or once per load.
 from __future__ import annotations
 
 import datetime
+import pickle
 from typing import Any, Callable
 
 import torch
@@ -26,6 +27,20 @@ from .errors import DcpstoreError
 def describe(exc: BaseException) -> str:
     """An error as a peer reads it in a message: its type and text."""
     return f"{type(exc).__name__}: {exc}"
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` if a peer can unpickle it as it is, else a ``DcpstoreError`` of its description.
+
+    An exception unpickles as ``type(error)(*error.args)``: one whose
+    constructor those args do not fit (or that holds a lock) cannot travel.
+    """
+    try:
+        pickle.dumps(error)
+        type(error)(*error.args)
+        return error
+    except Exception:  # noqa: BLE001
+        return DcpstoreError(describe(error))
 
 
 class Collectives:
@@ -99,6 +114,19 @@ class Collectives:
         box = [obj]
         dist.broadcast_object_list(box, src=self.coordinator, group=self.group)
         return box[0]
+
+    def failures(self, error: BaseException | None) -> dict[int, BaseException]:
+        """Every rank's error of a check each ran alone (``{}``: none failed), so that all go on, or all stop, together.
+
+        One all-reduce of an int64; an all-gather of the errors only when
+        some rank failed.  This rank's error stays itself; a peer's arrives
+        as a copy (its type and message), or, where it cannot be pickled, as
+        a ``DcpstoreError`` of its description.
+        """
+        if self.all_min([self.rank if error is not None else self.world_size])[0] == self.world_size:
+            return {}
+        gathered = self.all_gather(_portable(error) if error is not None else None)
+        return {r: error if r == self.rank else e for r, e in enumerate(gathered) if e is not None}
 
     def agreed(self, fn: Callable[[], Any], where: str, what: str) -> Any:
         """``fn()``, run on the coordinator, on every rank; its error raised on every rank (not a peer left waiting)."""

@@ -23,8 +23,6 @@ class BucketNotFoundError(ObjectNotFoundError):
     """The bucket named in a URL does not exist."""
 
 
-class CheckpointNotFoundError(DcpstoreError, FileNotFoundError):
-    """A prefix holds no ``.metadata`` object: an incomplete or missing checkpoint."""
 
 
 class CheckpointExistsError(DcpstoreError, FileExistsError):
@@ -48,8 +46,6 @@ class UnsafeCheckpointError(DcpstoreError, pickle.UnpicklingError):
     """
 
 
-class StateDictMismatchError(DcpstoreError, ValueError):
-    """The state dict to load does not match the checkpoint (keys or shapes)."""
 
 
 class StorageAccessError(DcpstoreError, PermissionError):
@@ -114,6 +110,23 @@ class CheckpointLoadError(DcpstoreError, RuntimeError):
         first = self.failures[rank]
         more = f" (and {len(self.failures) - 1} more rank(s))" if len(self.failures) > 1 else ""
         super().__init__(f"loading step {step} from {url} failed: rank {rank}: {type(first).__name__}: {first}{more}")
+
+
+class _LoadRefused(CheckpointLoadError):
+    """A failed load told by one message (a reader's check), not by the ranks' failures."""
+
+    def __init__(self, message: str):
+        self.url = self.step = None
+        self.failures = {}
+        DcpstoreError.__init__(self, message)
+
+
+class CheckpointNotFoundError(_LoadRefused, FileNotFoundError):
+    """A prefix holds no ``.metadata`` object: an incomplete or missing checkpoint."""
+
+
+class StateDictMismatchError(_LoadRefused, ValueError):
+    """The state dict to load does not match the checkpoint (keys or shapes)."""
 
 
 class CheckpointTimeoutError(DcpstoreError, TimeoutError):

@@ -104,12 +104,17 @@ class Resume:
             elif coordinator:
                 shared = [shared] * self.coll.world_size
             shared = self.coll.scatter(shared)
-            if isinstance(shared, BaseException):
-                raise shared
+            if isinstance(shared, BaseException):  # the coordinator's, the same on every rank
+                raise self._load_error(shared, self.step_url(step) if step is not None else self.root, step)
             step, entry = shared
             url = self.step_url(step)
-            reader = self._reader(step, allow_globals, allow_unsafe_pickle)
-            flat_sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+            error = None
+            try:
+                reader = self._reader(step, allow_globals, allow_unsafe_pickle)
+                flat_sd = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state_dict.items()}
+            except Exception as e:  # noqa: BLE001 - agreed on below, before any collective a failed rank would miss
+                error = e
+            self._all_or_none_failed(error, url, step)
             if self.read_once and self.coll.enabled:
                 reader.read_once = self._read_once_group(flat_sd)
             incremental = self.writer.incremental is not None and self.store.server_side_copy
@@ -117,18 +122,21 @@ class Resume:
                 reader.stored_digests = {}  # the next save copies what this load finds unchanged (see incremental)
             if entry is not None:
                 share = self._read_share(reader, entry, flat_sd, url)
-            if entry is not None and self.coll.all_min([int(share is not None)])[0]:
-                metadata = reader.use_metadata(share.metadata)
-            else:
+            from_share = entry is not None and self.coll.all_min([int(share is not None)])[0]
+            if not from_share:
                 # Every rank reads .metadata: the coordinator's one GET, broadcast.
                 share = None
                 if coordinator and raw is None:
                     raw = self._metadata_bytes(step)
                 raw = self.coll.broadcast(raw)
-                if isinstance(raw, BaseException):
-                    raise raw
-                metadata = reader.use_metadata_bytes(raw)
-            check_state_dict(flat_sd, metadata, url)
+                if isinstance(raw, BaseException):  # the coordinator's, the same on every rank
+                    raise self._load_error(raw, url, step)
+            try:
+                metadata = reader.use_metadata(share.metadata) if from_share else reader.use_metadata_bytes(raw)
+                check_state_dict(flat_sd, metadata, url)
+            except Exception as e:  # noqa: BLE001 - one rank's mismatch must stop every rank here, not in dcp.load's collectives
+                error = e
+            self._all_or_none_failed(error, url, step)
             with warnings.catch_warnings():
                 # dcp.load warns whenever no_dist is set; a single process is intended here.
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -170,6 +178,26 @@ class Resume:
         finally:
             writer.close()
         return step
+
+    def _load_error(self, error: BaseException, url: str, step: int | None) -> CheckpointLoadError:
+        """The coordinator's ``error``, as every rank raises it: itself if it is a ``CheckpointLoadError`` (a missing checkpoint), else one whose cause it is."""
+        if isinstance(error, CheckpointLoadError):
+            return error
+        wrapped = CheckpointLoadError(url, step, {0: error})
+        wrapped.__cause__ = error
+        return wrapped
+
+    def _all_or_none_failed(self, error: BaseException | None, url: str, step: int) -> None:
+        """Raise ``CheckpointLoadError`` on every rank if a check failed on any, naming the first failing rank and its cause.
+
+        A check one rank runs alone (its state dict against the checkpoint)
+        is agreed on before the next collective, which a failed rank would
+        never join: the others would wait there for the group's timeout and
+        then report gloo's error, not the cause.
+        """
+        failures = self.coll.failures(error)
+        if failures:
+            raise CheckpointLoadError(url, step, failures) from failures[min(failures)]
 
     def _read_once_group(self, state_dict: dict[str, Any]) -> dist.ProcessGroup:
         """The group a cooperative load's items travel over, the same on every rank (one all-reduce).
