@@ -206,3 +206,24 @@ def test_verify_deep_reads_zstd_compressed_items(bucket, capsys):
     writer = dcpstore.ObjectStoreWriter(url, _extensions=[ZStandard()])
     dcp.save({"w": torch.randn(64, 8), "step": 3}, storage_writer=writer, no_dist=True)
     assert main(["verify", url, "--deep"]) == 0, capsys.readouterr().out
+
+
+def test_no_credentials_is_a_clear_error_naming_the_url_and_what_to_do(moto_endpoint):
+    """Issue 57.4: botocore's bare ``Unable to locate credentials`` (raised as it signs: nothing is sent) becomes ``StorageAccessError``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_SHARED_CREDENTIALS_FILE="/nonexistent", AWS_CONFIG_FILE="/nonexistent", AWS_EC2_METADATA_DISABLED="true",
+               AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=moto_endpoint)
+    script = (
+        "import torch, torch.distributed.checkpoint as dcp, dcpstore\n"
+        "try:\n"
+        "    dcp.save({'w': torch.zeros(3)}, storage_writer=dcpstore.ObjectStoreWriter('s3://no-creds/ck'), no_dist=True)\n"
+        "except BaseException as e:\n"
+        "    error = e.failures[0][0]\n"
+        "    print(type(error).__name__, isinstance(error, dcpstore.DcpstoreError), error)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.startswith("StorageAccessError True s3://no-creds/ck/"), out.stdout + out.stderr[-2000:]
+    assert "no AWS credentials found" in out.stdout and "AWS_ACCESS_KEY_ID" in out.stdout
+    ls = subprocess.run([sys.executable, "-m", "dcpstore.cli", "ls", "s3://no-creds/run"], capture_output=True, text=True, env=env, timeout=120)
+    assert ls.returncode == 1 and "Traceback" not in ls.stderr and len(ls.stderr.strip().splitlines()) == 1, ls.stderr
+    assert "s3://no-creds/run" in ls.stderr and "no AWS credentials found" in ls.stderr

@@ -130,6 +130,12 @@ def translate_error(exc: BaseException, url: str) -> BaseException:
     """Turn a store error into the dcpstore exception that names ``url``."""
     if isinstance(exc, DcpstoreError):
         return exc
+    if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):  # botocore's, raised as it signs: nothing was sent
+        return StorageAccessError(
+            f"{url}: no AWS credentials found ({exc}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or "
+            "AWS_PROFILE, or pass storage_options={'key': ..., 'secret': ...}, or run where an instance or pod role "
+            "provides them"
+        )
     code, status, message = _error_code(exc)
     if code == "PreconditionFailed" or status == 412:
         return ConditionalWriteError(f"{url}: conditional write refused: the object exists or changed ({message})")
