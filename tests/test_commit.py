@@ -134,18 +134,21 @@ def test_every_rank_reports_a_commit_whose_answer_was_lost(bucket, s3, proxy):
         assert_loaded(r)
 
 
-def test_ranks_agree_when_the_coordinators_work_before_the_put_outlasts_their_wait(bucket, s3, proxy):
+@pytest.mark.parametrize("timeouts", [(4.0, 4.0), (30.0, 4.0)], ids=["equal-timeouts", "the-coordinators-longer"])
+def test_ranks_agree_when_the_coordinators_work_before_the_put_outlasts_their_wait(bucket, s3, proxy, timeouts):
     """The resume index PUT stalls past the peers' collective timeout (4 s here, connect and read 1 s, window 1 s).
 
     The coordinator then starts no .metadata PUT, since its peers may
     already have settled without it: both ranks report failed, and storage
-    holds no .metadata.  (Before: rank 1 settled "failed", rank 0 committed.)
+    holds no .metadata.  (Before: rank 1 settled "failed", rank 0 committed;
+    and with the coordinator given 30 s and rank 1 4 s, issue 57.3, the
+    coordinator kept its own 30 s and committed while rank 1 reported failed.)
     """
     proxy.add("PUT", r"/run/step_00000001/\.dcpstore-index-", delay=6)
     transfer = dcpstore.TransferConfig(
         connect_timeout=1, read_timeout=1, min_send_rate=64 << 20, retry=dcpstore.RetryPolicy(initial_backoff=0.01)
     )
-    outcomes = run_ranks(checkpointer_one_save, 2, f"s3://{bucket}/run", proxy.endpoint, transfer, 1.0, 4.0)
+    outcomes = run_ranks(checkpointer_one_save, 2, f"s3://{bucket}/run", proxy.endpoint, transfer, 1.0, timeouts)
     assert outcomes[0] is not None and "past the point its peers stop waiting" in outcomes[0][1]
     assert outcomes[1] is not None and "storage shows no .metadata of this save" in outcomes[1][1]
     assert not object_exists(s3, bucket, "run/step_00000001/.metadata")

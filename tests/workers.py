@@ -351,10 +351,14 @@ def save_alone_under_throttling(rank, world_size, root, proxy_endpoint, transfer
 
 
 def checkpointer_one_save(rank, world_size, root, proxy_endpoint, transfer, commit_window, collective_timeout=600.0):
-    """Save step 1 through the proxy; ``None`` when committed, else the error's type and text."""
+    """Save step 1 through the proxy; ``None`` when committed, else the error's type and text.
+
+    ``collective_timeout``: seconds, or a tuple of each rank's.
+    """
+    seconds = collective_timeout[rank] if isinstance(collective_timeout, tuple) else collective_timeout
     ckpt = dcpstore.AsyncCheckpointer(
         root, storage_options={"endpoint_url": proxy_endpoint}, transfer=transfer, commit_window=commit_window,
-        collective_timeout=datetime.timedelta(seconds=collective_timeout),
+        collective_timeout=datetime.timedelta(seconds=seconds),
     )
     try:
         ckpt.save(sharded_state_dict(world_size, 0), step=1)

@@ -26,7 +26,10 @@ What it promises:
   after it entered the collective that opens the commit's exchange, which
   no peer leaves before every rank entered it; so a peer that stops waiting
   a group timeout after it entered the next collective stops no sooner
-  than that deadline.  The PUT's last attempt starts within
+  than that deadline.  Ranks may be given different ``collective_timeout``s:
+  the deadline keeps the shortest of any rank's, agreed in the all-reduce
+  that draws the save's nonce, and each peer waits its own, which is no
+  shorter.  The PUT's last attempt starts within
   ``commit_window`` of its first, and an unsettled attempt (no answer, or
   a 5xx) lands within ``landing_margin``; storage's answer after all three
   is final, and the rank returns sooner if the save's ``.metadata`` shows up.
@@ -126,7 +129,7 @@ class CommitProtocol:
             # peer leaves this all-reduce before every rank entered it, so a peer
             # stops waiting (in the gather or the verdict after it) no sooner
             # than a group timeout from now.  The full path sets its own.
-            writer.put_deadline = time.monotonic() + self.coll.timeout_s(self.collective_timeout)
+            writer.put_deadline = time.monotonic() + self._shortest_timeout(job)
         try:
             all_ok, lowest, neg_highest, neg_width = self.coll.all_min(
                 [int(error is None), template_id, -template_id, -len(values)]
@@ -211,7 +214,7 @@ class CommitProtocol:
             # gather before every rank entered it (gather_object begins with an
             # all_gather of the sizes), so not before now.  Its PUT then lands
             # before the peer's settling ends (see _settle_without_coordinator).
-            writer.put_deadline = time.monotonic() + self.coll.timeout_s(self.collective_timeout)
+            writer.put_deadline = time.monotonic() + self._shortest_timeout(job)
         gathered = None
         try:
             gathered = self.coll.gather(results)
@@ -287,6 +290,16 @@ class CommitProtocol:
                 self.root, job.step, highest, job.step,
             )
         return CommitRecord(job.step, sequence, self.parent)
+
+    def _shortest_timeout(self, job: SaveJob) -> float:
+        """The group timeout the coordinator's ``put_deadline`` keeps: the shortest of any rank's, agreed with the save's nonce.
+
+        Ranks may be given different ``collective_timeout``s, and each
+        peer stops waiting after its own: the coordinator's deadline must
+        come before the soonest (a peer that waits longer only settles later).
+        """
+        own = self.coll.timeout_s(self.collective_timeout)
+        return min(own, job.group_timeout_s) if job.group_timeout_s else own
 
     def _settle_without_coordinator(self, job: SaveJob, broken: BaseException, entered: float):
         """The verdict of a rank that lost the coordinator's answer: what storage shows, once it is final.

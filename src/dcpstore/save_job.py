@@ -45,3 +45,6 @@ class SaveJob:
     stats: SaveStats
     error: BaseException | None = None  # staging failed: the job only tells the peers
     nonce: str = ""  # agreed by every rank before the upload; .metadata carries it
+    # The shortest collective timeout any rank of the job was given, agreed with the nonce: how soon a
+    # peer may stop waiting for the coordinator, so what the coordinator's put_deadline keeps (commit_protocol).
+    group_timeout_s: float | None = None

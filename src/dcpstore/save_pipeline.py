@@ -136,12 +136,15 @@ class SavePipeline:
         cached = self.plan_cache.lookup(job.local_plan, self.coll.world_size) if error is None else None
         primed_miss = self.plan_cache.primed_miss(job.local_plan) if cached is None and error is None else None
         # The save's nonce rides along: the largest of the ranks' random draws;
-        # and the lowest rank that could not use plans primed from a checkpoint.
-        reuse, all_ok, neg_nonce, first_miss = self.coll.all_min(
+        # the lowest rank that could not use plans primed from a checkpoint; and
+        # the shortest collective timeout of any rank (ranks may be given others).
+        reuse, all_ok, neg_nonce, first_miss, group_timeout_ms = self.coll.all_min(
             [int(cached is not None), int(error is None), -random.getrandbits(62),
-             self.coll.rank if primed_miss is not None else self.coll.world_size]
+             self.coll.rank if primed_miss is not None else self.coll.world_size,
+             int(self.coll.timeout_s(self.commits.collective_timeout) * 1000)]
         )
         job.nonce = f"{-neg_nonce:016x}"
+        job.group_timeout_s = group_timeout_ms / 1000
         writer.save_id = job.nonce  # what .metadata carries; a peer that loses the coordinator looks for it
         if not all_ok:
             self.commits.raise_everywhere(job.url, error)
