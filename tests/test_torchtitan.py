@@ -22,6 +22,7 @@ from torchtitan_workers import (  # noqa: E402
     pinned_round_trip,
     resume_then_save,
     rollback,
+    rollback_then_restarts,
     rollbacks_delete_only_reused_abandoned_steps,
     train_then_die,
 )
@@ -84,6 +85,14 @@ def test_a_rollback_saves_the_abandoned_step_numbers_again(bucket):
     assert redone["train_step"].item() == 4 and not torch.equal(redone["0.weight"], abandoned["0.weight"])
     assert committed == [1, 2, 3, 4]
     assert_same(resumed, redone)
+
+
+def test_a_rollback_survives_any_number_of_restarts(bucket):
+    """Roll back to 2 and save 3; restart and save 4-6; restart again: the abandoned 4 is deleted when 4 is saved again, by the restarted job."""
+    (result,) = run_ranks(rollback_then_restarts, 1, f"s3://{bucket}/run").values()
+    first, committed, second = result
+    assert first == 3 and second == 6
+    assert committed == [1, 2, 3, 4, 5, 6]  # commit order: the old 4 went, the new 3 came after 2
 
 
 @pytest.mark.slow

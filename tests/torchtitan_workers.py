@@ -127,6 +127,33 @@ def rollback(rank, world_size, root):
     return abandoned, redone, committed, resumed
 
 
+def rollback_then_restarts(rank, world_size, root):
+    """Steps 1-4; roll back to 2 and save 3; a restart (the latest: the new 3) saves 4-6; another restart: committed steps and the step resumed each time.
+
+    Issue 57.2: before, the first restart resumed the new 3 and died saving
+    4 (``step 4 is already committed``), at every restart: only the process
+    that rolled back knew 4 was abandoned.
+    """
+    job = Job(root, keep_latest_k=0)
+    job.train_and_save(4)
+    job.close()
+    job = Job(root, keep_latest_k=0)
+    assert job.manager.load(step=2)
+    job.train_and_save(1)
+    job.close()
+    job = Job(root, keep_latest_k=0)
+    assert job.manager.load()
+    first = job.train_state.step
+    job.train_and_save(3)
+    committed = job.manager.checkpointer.committed_steps()
+    job.close()
+    job = Job(root, keep_latest_k=0)
+    assert job.manager.load()
+    second = job.train_state.step
+    job.close()
+    return first, committed, second
+
+
 def rollbacks_delete_only_reused_abandoned_steps(rank, world_size, root):
     """Steps 0-4; load 4 and save 5; roll back to 2 and save 3 only; load 0 (a seed) and save 1: committed steps after each."""
 

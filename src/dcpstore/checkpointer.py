@@ -387,6 +387,29 @@ class AsyncCheckpointer:
 
         return self._coll.agreed(after, self.root, f"listing the steps committed after step {step}")
 
+    def steps_off_lineage(self, step: int) -> list[int]:
+        """The committed steps that are neither ``step`` nor one of its ancestors (the parent each commit records), oldest commit first; agreed on by all ranks.
+
+        What a run that resumed ``step`` has abandoned, whichever process
+        rolled back and however many restarts ago: a step committed on
+        another trajectory (before a rollback to ``step`` or one of its
+        ancestors).  Steps other tools wrote record no parent: only
+        ``step`` itself, if it is one.  Call it on every rank.  Waits for
+        pending saves first (raising their errors).
+        """
+        self.wait()
+
+        def off() -> list[int]:
+            records = self._order.committed(self.step_naming)
+            by_step = {r.step: r for r in records}
+            lineage, record = set(), by_step.get(step)
+            while record is not None and record.step not in lineage:
+                lineage.add(record.step)
+                record = by_step.get(record.parent) if record.parent is not None else None
+            return [r.step for r in records if r.step not in lineage]
+
+        return self._coll.agreed(off, self.root, f"listing the steps off step {step}'s lineage")
+
     def discard_step(self, step: int) -> None:
         """Delete committed step ``step``'s checkpoint (``.metadata`` first; your files in its folder stay).  Call it on every rank.
 

@@ -82,9 +82,13 @@ class CommitOrder:
             out.append(record)
         return in_commit_order(out)
 
+    def committed(self, naming: StepNaming) -> list[CommitRecord]:
+        """The records of the committed steps under the root named ``naming``'s way, oldest commit first (not by number)."""
+        return self.records(committed_steps(self.store, naming))
+
     def steps(self, naming: StepNaming) -> list[int]:
         """The committed steps under the root named ``naming``'s way, oldest commit first (not by number)."""
-        return [r.step for r in self.records(committed_steps(self.store, naming))]
+        return [r.step for r in self.committed(naming)]
 
     def newest(self, naming: StepNaming | None) -> tuple[int, int | None]:
         """The highest sequence committed under the root now, and the highest committed step number.

@@ -21,13 +21,14 @@ What changes against torchtitan's manager:
   after a resume, the first save runs no planning collective.
 - **Which step resumes.**  The newest *committed* step, by commit order
   (``dcpstore.steps``), not the highest folder number with a
-  ``.metadata``; ``load_step`` still picks one.  Loading an explicit
-  ``load_step`` is a rollback when steps were committed after it: a load
-  deletes nothing, and a later save that reuses the number of such an
-  abandoned step deletes that one step first (a warning names it), since
-  steps are never overwritten; torchtitan's own writer would overwrite it
-  object by object.  ``load_step=0`` (the seed checkpoint), ``load_only``
-  and a job that never saves delete nothing.
+  ``.metadata``; ``load_step`` still picks one.  A committed step off the
+  lineage of the step a run resumed (neither it nor an ancestor, by the
+  parent each commit records) was abandoned by a rollback, in this process
+  or before any number of restarts: a load deletes nothing, and a later
+  save that reuses the number of such a step deletes that one step first
+  (a warning names it), since steps are never overwritten; torchtitan's
+  own writer would overwrite it object by object.  ``load_step=0`` (the
+  seed checkpoint), ``load_only`` and a job that never saves delete nothing.
 - **Retention.**  ``keep_latest_k`` keeps that many committed steps (the
   newest commit and its lineage first, then the newest), and deletes the
   debris of failed saves once nothing under its step changed for
@@ -112,9 +113,9 @@ class CheckpointManager(TorchtitanCheckpointManager):
             return
         self.async_mode = AsyncMode(config.async_mode)
         self.keep_latest_k = config.keep_latest_k
-        # An explicit load_step (a rollback), while saves may reuse the numbers of the steps it abandoned:
-        self._rolled_back_to: int | None = None
-        self._abandoned: set[int] | None = None  # those steps (committed after it), read at the first save
+        # The step this run resumed, while its saves may reuse the numbers of steps off its lineage:
+        self._resumed: int | None = None
+        self._abandoned: set[int] | None = None  # those steps (off the resumed step's lineage), read at the first save
         self.checkpointer = AsyncCheckpointer(
             self.folder,
             storage_options=config.storage_options,
@@ -171,26 +172,30 @@ class CheckpointManager(TorchtitanCheckpointManager):
         return result
 
     def _make_room_after_a_rollback(self, step: int) -> None:
-        """Before saving ``step`` after a rollback: delete the committed step of that number if the rollback abandoned it.
+        """Before saving ``step`` after a load: delete the committed step of that number if it lies off the resumed step's lineage.
 
-        Abandoned means committed after the step loaded (commit order): a
-        step that came before it is history the run continued from, and a
-        step numbered like it but never reached again is left alone.  The
-        set is read once, at the first save after the load (all ranks
+        Off the lineage means neither the step loaded nor one of its
+        ancestors (the parent each commit records): a step committed on a
+        trajectory a rollback abandoned, in this process or in one that
+        ran before a restart (storage records the lineage; no process
+        has to remember the rollback).  A step numbered like it on the
+        lineage is history the run continued from, and is never deleted.
+        The set is read once, at the first save after the load (all ranks
         agree on it), and is done with once the run saves above it.
         """
-        if self._rolled_back_to is None:
+        if self._resumed is None:
             return
         if self._abandoned is None:
-            self._abandoned = set(self.checkpointer.steps_committed_after(self._rolled_back_to))  # on every rank
+            off = self.checkpointer.steps_off_lineage(self._resumed)  # on every rank
+            self._abandoned = {s for s in off if s > self._resumed}
         if step in self._abandoned:
             logger.warning(
-                f"Rolled back to step {self._rolled_back_to}: deleting the committed step {step}, which it "
-                f"abandoned, to save step {step} again."
+                f"Resumed step {self._resumed}: deleting the committed step {step}, which is off its lineage "
+                f"(a rollback abandoned it), to save step {step} again."
             )
             self.checkpointer.discard_step(step)  # on every rank
         if step >= max(self._abandoned, default=-1):  # no later save reuses an abandoned number
-            self._rolled_back_to = self._abandoned = None
+            self._resumed = self._abandoned = None
 
     def _maybe_wait_for_staging(self) -> None:
         """Make the training streams wait for the last save's copies, on the GPU (torchtitan calls it before the optimizer step)."""
@@ -218,8 +223,8 @@ class CheckpointManager(TorchtitanCheckpointManager):
                 logger.info("No checkpoint was provided, this is a fresh start.")
                 return False
             step = latest
-        elif not self.load_only and step != 0:  # step 0 is the seed checkpoint, not a rollback
-            self._rolled_back_to, self._abandoned = step, None
+        if not self.load_only and step != 0:  # step 0 is the seed checkpoint: its run continues from no lineage
+            self._resumed, self._abandoned = step, None
         checkpoint_id = self._create_checkpoint_id(step)
         logger.info(f"Loading the checkpoint from {checkpoint_id}.")
         begin = time.monotonic()
