@@ -367,3 +367,23 @@ def test_a_listing_error_on_the_coordinator_reaches_every_rank(bucket, proxy):
     proxy.add("GET", r"list-type=2", status=403, code="AccessDenied")
     results = run_ranks(latest_step_when_the_coordinators_listing_fails, 2, f"s3://{bucket}/run", proxy.endpoint)
     assert results[0] == results[1] and "access denied" in results[0]
+
+
+def test_the_readmes_training_loop_runs_as_written(bucket, tmp_path):
+    """The README's "Use it in a training loop" snippet, executed as it is written (its bucket swapped for the test's), twice: fresh, then resumed."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Use it in a training loop", 1)[1]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1).replace("s3://my-bucket/", f"s3://{bucket}/")
+    state_dict = {"w": torch.zeros(4)}
+    steps_trained = []
+    for total_steps in (2001, 3001):  # a fresh run saves steps 1000 and 2000; the resumed one, 3000
+        namespace = {"state_dict": state_dict, "total_steps": total_steps,
+                     "train_step": lambda: (state_dict["w"].add_(1), steps_trained.append(1))}
+        exec(compile(snippet, "README.md", "exec"), namespace)
+        with dcpstore.AsyncCheckpointer(f"s3://{bucket}/run-7") as ckpt:
+            assert ckpt.latest_step() == total_steps - 1
+    assert len(steps_trained) == 3000  # the second run resumed at 2000: it trained 1000 more steps, not 3000
+    assert torch.equal(state_dict["w"], torch.full((4,), 3000.0))

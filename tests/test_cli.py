@@ -227,3 +227,22 @@ def test_no_credentials_is_a_clear_error_naming_the_url_and_what_to_do(moto_endp
     ls = subprocess.run([sys.executable, "-m", "dcpstore.cli", "ls", "s3://no-creds/run"], capture_output=True, text=True, env=env, timeout=120)
     assert ls.returncode == 1 and "Traceback" not in ls.stderr and len(ls.stderr.strip().splitlines()) == 1, ls.stderr
     assert "s3://no-creds/run" in ls.stderr and "no AWS credentials found" in ls.stderr
+
+
+def test_verify_or_inspect_on_a_run_root_points_to_ls(run_root, capsys):
+    root, _ = run_root
+    assert main(["verify", root]) == 1
+    err = capsys.readouterr().err
+    assert "no metadata object" in err and f"{root} is a root of 3 step(s): `dcpstore ls {root}`" in err
+
+
+def test_the_cli_stops_quietly_when_its_reader_goes_away(bucket):
+    """``dcpstore inspect ... | head -c 1``: no ``Broken pipe`` message, exit 0 (2,000 items: more output than a pipe holds)."""
+    import torch.distributed.checkpoint as dcp
+
+    url = f"s3://{bucket}/many"
+    dcp.save({f"layer{i:04d}.weight": torch.zeros(1) for i in range(2000)}, storage_writer=dcpstore.ObjectStoreWriter(url), no_dist=True)
+    script = f"set -o pipefail; {sys.executable} -m dcpstore.cli inspect {url} | head -c 1; echo; echo ${{PIPESTATUS[0]}}"
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=os.environ, timeout=120)
+    assert out.stdout.splitlines() == ["c", "0"], out.stdout + out.stderr
+    assert "Broken pipe" not in out.stderr and "rror" not in out.stderr, out.stderr

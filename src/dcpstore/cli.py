@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import zlib
 
 from tqdm import tqdm
 
-from .errors import CorruptCheckpointError, DcpstoreError, UnsafeCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, DcpstoreError, UnsafeCheckpointError
 from .layout import (
     METADATA_KEY,
     StepInfo,
@@ -353,9 +354,31 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
+    except BrokenPipeError:
+        # The reader of the output went away (`dcpstore inspect ... | head`): stop quietly, and keep
+        # Python's flush of stdout at exit from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except CheckpointNotFoundError as e:
+        print(f"dcpstore: error: {e}{_a_root_of_steps(args)}", file=sys.stderr)
+        return 1
     except (DcpstoreError, ValueError, OSError) as e:
         print(f"dcpstore: error: {e}", file=sys.stderr)
         return 1
+
+
+def _a_root_of_steps(args) -> str:
+    """A hint where a command that reads one checkpoint was pointed at a run's root: how many steps it holds, and ``ls``."""
+    uri = getattr(args, "uri", None)
+    if uri is None:
+        return ""
+    try:
+        steps = list_steps(open_store(uri))
+    except Exception:  # noqa: BLE001 - only a hint
+        return ""
+    if not steps:
+        return ""
+    return f"; {uri} is a root of {len(steps)} step(s): `dcpstore ls {uri}` lists them, and each step's URL is a checkpoint"
 
 
 if __name__ == "__main__":
