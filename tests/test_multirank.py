@@ -134,3 +134,13 @@ def test_ranks_import_the_checkout_whose_tests_run(tmp_path):
     parent, rank = out.stdout.split()
     assert parent == str(checkout / "dcpstore" / "__init__.py")
     assert rank == parent
+
+
+def test_a_relative_path_under_a_process_group_warns(tmp_path):
+    """Each rank would resolve it against its own working directory, on its own node's disk (issue 57)."""
+    from workers import relative_path_warnings
+
+    results = run_ranks(relative_path_warnings, 2, str(tmp_path))
+    for rank, messages in results.items():
+        assert len(messages) == 2, messages  # the writer's and the reader's; not the absolute path's
+        assert "each of the 2 ranks resolves it against its own working directory" in messages[0]

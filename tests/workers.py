@@ -674,3 +674,16 @@ def report_intra_op_threads(rank, world_size, init_file, queue, exit_code_of_ran
 def imported_dcpstore(rank, world_size):
     """Where this rank's dcpstore came from (``dist_utils`` must start ranks on the code under test)."""
     return dcpstore.__file__
+
+
+def relative_path_warnings(rank, world_size, directory):
+    """The warnings a writer, a reader and a checkpointer of a relative path give under a process group of two."""
+    import warnings
+
+    os.chdir(directory)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcpstore.ObjectStoreWriter("ckpt/run")
+        dcpstore.ObjectStoreReader("file://ckpt/run")
+        dcpstore.AsyncCheckpointer(f"{directory}/absolute").close()  # absolute: no warning
+    return [str(w.message) for w in caught if "relative local path" in str(w.message)]

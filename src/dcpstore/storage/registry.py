@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -39,6 +40,26 @@ def normalize_url(url: str | os.PathLike) -> str:
     if protocol is not None and not rest.strip("/"):
         raise ValueError(f"{text!r}: the URL names no location after {protocol}://")
     return text.rstrip("/")
+
+
+def warn_if_each_rank_resolves_it_alone(url: str | os.PathLike) -> None:
+    """Warn where ``url`` is a relative local path (or ``file://relative``) and a process group of more than one rank runs.
+
+    Each rank resolves it against its own working directory, on its own
+    node's disk: a checkpoint no rank can load whole, silently.
+    """
+    protocol, rest = fsspec.core.split_protocol(str(url))
+    if protocol not in (None, "file", "local") or os.path.isabs(rest):
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        warnings.warn(
+            f"{str(url)!r} is a relative local path: each of the {dist.get_world_size()} ranks resolves it against its own "
+            f"working directory ({os.getcwd()} on rank {dist.get_rank()}), on its own node's disk; pass an absolute path "
+            "on a filesystem every rank shares, or an s3:// URL",
+            stacklevel=3,
+        )
 
 
 def storage_option_names(url: str | os.PathLike) -> set[str]:
