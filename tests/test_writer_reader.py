@@ -593,3 +593,10 @@ def test_a_mistyped_keyword_fails_and_names_the_valid_ones(cls, typo, bucket):
         cls(f"s3://{bucket}/ckpt", **{typo: 1})
     assert "endpoint_url" in str(e.value) and "profile" in str(e.value)  # the storage options it does take
     cls(f"s3://{bucket}/ckpt", use_ssl=False, default_block_size=1 << 20).reset()  # real s3fs options still pass
+
+
+@pytest.mark.parametrize("cls", [dcpstore.ObjectStoreWriter, dcpstore.ObjectStoreReader, dcpstore.AsyncCheckpointer])
+def test_a_mistyped_storage_option_fails_at_construction_and_names_the_valid_ones(cls, bucket):
+    """Issue 57: a typo inside ``storage_options={...}`` failed only at the first request, with an ``AioSession`` ``TypeError``."""
+    with pytest.raises(TypeError, match=rf"{cls.__name__}\(storage_options=...\) got unexpected key\(s\) 'endpont_url': .*endpoint_url"):
+        cls(f"s3://{bucket}/ckpt", storage_options={"endpont_url": "http://127.0.0.1:1"})

@@ -41,7 +41,7 @@ from .save_pipeline import PLANNING_MODES, SavePipeline, usable_local_plan
 from .staging import StagedItems, StagingPool
 from .collection import Retention, check_grace
 from .steps import CommitOrder
-from .storage import TransferConfig, normalize_url, open_store, warn_if_each_rank_resolves_it_alone
+from .storage import TransferConfig, check_storage_options, normalize_url, open_store, warn_if_each_rank_resolves_it_alone
 from .writer import ObjectStoreWriter
 
 __all__ = ["AsyncCheckpointer", "SaveHandle", "SaveStats"]
@@ -201,6 +201,7 @@ class AsyncCheckpointer:
         if max_in_flight < 1:
             raise ValueError("max_in_flight must be >= 1")
         self.root = normalize_url(root)
+        check_storage_options(AsyncCheckpointer, self.root, storage_options)
         warn_if_each_rank_resolves_it_alone(self.root)
         self.storage_options = dict(storage_options or {})
         self.keep_last = keep_last

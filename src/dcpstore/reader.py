@@ -58,7 +58,10 @@ from .metadata_reading import check_storage_data, parse_metadata, read_metadata_
 from .load_buffers import LoadBuffers, aligned
 from .scatter import DestinationClaims, ItemLanding, RangeScatter, destination_bytes
 from .stored_items import coalesce, land_tensor, parse_tensor, undo_transforms
-from .storage import ObjectStore, StoreOwner, TransferConfig, check_keywords, is_store_url, warn_if_each_rank_resolves_it_alone
+from .storage import (
+    ObjectStore, StoreOwner, TransferConfig, check_keywords, check_storage_options, is_store_url,
+    warn_if_each_rank_resolves_it_alone,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +145,7 @@ class ObjectStoreReader(StorageReader, StoreOwner):
     ):
         super().__init__()
         check_keywords(ObjectStoreReader, url, fsspec_options)
+        check_storage_options(ObjectStoreReader, url, storage_options)
         warn_if_each_rank_resolves_it_alone(url)
         self.state_dict = state_dict
         self.transforms = _StorageReaderTransforms(_extension_registry)

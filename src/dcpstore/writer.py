@@ -76,8 +76,8 @@ from .metadata_builder import MetadataBuilder
 from .persisted_plans import PersistedPlans, attach_local_plan
 from .shard_writing import ChecksummedWriteResult, caller_streams, on_streams, plan_object, write_items
 from .storage import (
-    CopyInterrupted, ObjectStore, StoreOwner, ThrottleClock, TransferConfig, check_keywords, is_store_url,
-    warn_if_each_rank_resolves_it_alone,
+    CopyInterrupted, ObjectStore, StoreOwner, ThrottleClock, TransferConfig, check_keywords, check_storage_options,
+    is_store_url, warn_if_each_rank_resolves_it_alone,
 )
 
 logger = logging.getLogger(__name__)
@@ -189,6 +189,7 @@ class ObjectStoreWriter(StorageWriter, AsyncStager, StoreOwner):
     ):
         super().__init__()
         check_keywords(ObjectStoreWriter, url, fsspec_options)
+        check_storage_options(ObjectStoreWriter, url, storage_options)
         warn_if_each_rank_resolves_it_alone(url)
         if thread_count is not None and objects_per_rank is not None:
             raise ValueError("give objects_per_rank or FsspecWriter's thread_count, not both")

@@ -24,7 +24,15 @@ Layers, top down; every import points down, none runs back up:
 from .base import CopyInterrupted, MultipartUploadInfo, ObjectHead, ObjectInfo, ObjectStore, ObjectWriter, Tries
 from .config import RetryPolicy, TransferConfig
 from .local import LocalObjectStore
-from .registry import StoreOwner, check_keywords, is_store_url, normalize_url, open_store, warn_if_each_rank_resolves_it_alone
+from .registry import (
+    StoreOwner,
+    check_keywords,
+    check_storage_options,
+    is_store_url,
+    normalize_url,
+    open_store,
+    warn_if_each_rank_resolves_it_alone,
+)
 from .s3 import S3ObjectStore
 from .throttle import ThrottleClock
 from .translate import is_retryable, translate_error
@@ -44,10 +52,11 @@ __all__ = [
     "TransferConfig",
     "Tries",
     "check_keywords",
+    "check_storage_options",
     "is_retryable",
     "is_store_url",
     "normalize_url",
-    "warn_if_each_rank_resolves_it_alone",
     "open_store",
     "translate_error",
+    "warn_if_each_rank_resolves_it_alone",
 ]

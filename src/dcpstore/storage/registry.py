@@ -101,6 +101,21 @@ def check_keywords(owner: type, url: str | os.PathLike, options: dict[str, Any])
         )
 
 
+def check_storage_options(owner: type, url: str | os.PathLike, storage_options: dict[str, Any] | None) -> None:
+    """``TypeError`` naming every key of ``storage_options`` that is not a storage option of ``url``'s filesystem.
+
+    Checked at construction, as keywords are (``check_keywords``): fsspec
+    would take a typo, and the first request would fail on it far away.
+    """
+    known = storage_option_names(url)
+    unknown = sorted(set(storage_options or {}) - known)
+    if unknown:
+        raise TypeError(
+            f"{owner.__name__}(storage_options=...) got unexpected key(s) {', '.join(map(repr, unknown))}: not a storage "
+            f"option of {url}'s filesystem ({', '.join(sorted(known))})"
+        )
+
+
 def is_store_url(url: str | os.PathLike) -> bool:
     """Whether ``url`` is a URL (``scheme://...``) that names a store location."""
     if "://" not in str(url):
