@@ -66,6 +66,7 @@ class Rule:
     arrived: threading.Event = dataclasses.field(default_factory=threading.Event)  # a request the fault applies to came
     answered: threading.Event = dataclasses.field(default_factory=threading.Event)  # a faulted request's handler is done
     answered_at: float | None = None  # time.time() when it was (comparable across the test's processes)
+    landed: threading.Event = dataclasses.field(default_factory=threading.Event)  # lands_after: the late request reached the server
 
     def matches(self, method: str, path: str, headers=None) -> bool:
         return (
@@ -247,7 +248,7 @@ class FaultProxy:
                 if rule is not None and rule.status and rule.lands_after is not None:
                     # A gateway's error answer to a request the store behind it completes later.
                     headers = {k: v for k, v in self.headers.items() if k.lower() != "transfer-encoding"}
-                    later = threading.Timer(rule.lands_after, proxy._forward_and_track, (self.command, self.path, body, headers))
+                    later = threading.Timer(rule.lands_after, proxy._forward_and_track, (self.command, self.path, body, headers, rule))
                     later.daemon = True
                     later.start()
                 if rule is not None and rule.status:
@@ -326,10 +327,13 @@ class FaultProxy:
         self.landed.append((method, path, resp.status))
         return resp, data
 
-    def _forward_and_track(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> None:
-        """A request forwarded late (``lands_after``): the times it sets are tracked as any other's."""
-        resp, data = self._forward(method, path, body, headers)
-        self._as_aws_reports(method, path, body, resp.status, data)
+    def _forward_and_track(self, method: str, path: str, body: bytes, headers: dict[str, str], rule: Rule) -> None:
+        """A request forwarded late (``lands_after``): the times it sets are tracked as any other's; ``rule.landed`` once it did."""
+        try:
+            resp, data = self._forward(method, path, body, headers)
+            self._as_aws_reports(method, path, body, resp.status, data)
+        finally:
+            rule.landed.set()
 
     def _as_aws_reports(self, method: str, path: str, body: bytes, status: int, data: bytes) -> tuple[bytes, str | None]:
         """Track when uploads began, and rewrite the times moto reports to AWS's: the body, and a Last-Modified header or ``None``."""

@@ -125,6 +125,12 @@ START = ("configure", dict(keep_last=None, incremental=False))
 SAVE = ("save_with_checkpointer", dict(structure="A", again=False))
 
 
+def test_a_create_answered_5xx_that_lands_later_leaves_no_upload_after_close(world, monkeypatch):
+    """Interactions F x S: the late create's upload was left open after a clean close() (the leak check ran before it landed)."""
+    replay(world, monkeypatch, "ORPHAN_UPLOAD_AFTER_CLOSE", START, ("arm_fault", dict(kind="late_5xx_create")),
+           ("save_with_plain_dcp", dict(reused=False, overwrite=False, asynchronous=False)))
+
+
 def test_a_reused_writer_writes_no_name_twice(world, monkeypatch):
     plain = ("save_with_plain_dcp", dict(reused=True, overwrite=True, asynchronous=False))
     replay(world, monkeypatch, "REUSED_WRITER_OVERWRITES_SHARDS", START, plain, plain)

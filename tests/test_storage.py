@@ -567,3 +567,22 @@ def test_a_conditional_delete_on_a_filesystem(scheme, tmp_path):
     assert store.delete_if_unchanged(tags) == ["b"]
     assert [o.key for o in store.list()] == ["b"]
     store.close()
+
+
+def test_a_create_answered_5xx_that_lands_later_leaves_no_upload_open_after_close(bucket, s3, proxy):
+    """A gateway's 500 to CreateMultipartUpload, which the store completes later: the retry's upload is used, and the other is aborted at close.
+
+    The adversary's "upload left open after close()" (tests/model, interactions F x S): the look for
+    leaked uploads ran before the late create landed.
+    """
+    proxy.add("POST", r"\.distcp\?uploads", status=500, code="InternalError", lands_after=0.2, times=1)
+    store = open_store(f"s3://{bucket}/x", storage_options={"endpoint_url": proxy.endpoint},
+                       transfer=TransferConfig(part_size=5 << 20, multipart_threshold=5 << 20))
+    with store.open_writer("a.distcp", create_only=True) as out:
+        out.write(bytes(6 << 20))
+    while sum(1 for method, path, _ in proxy.landed if method == "POST" and path.endswith("?uploads")) < 2:
+        time.sleep(0.05)  # the late create has landed: a second open upload of the key
+    store.settle_aborts()  # what a writer's close() does
+    assert s3.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    assert s3.get_object(Bucket=bucket, Key="x/a.distcp")["ContentLength"] == 6 << 20
+    store.close()

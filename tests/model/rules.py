@@ -72,7 +72,7 @@ DEFECTS = {
     "EXPORT_OVERWRITE_LEFTOVERS": False,  # issue 59.4: --overwrite with another shard count
     "PLANTED_METADATA_REPUBLISHED": False,  # issue 58.2: a planted .metadata patched into the next step
     "LATE_TEMPLATE": False,  # issue 58.1: the resume thread installs the old structure's template mid-commit
-    "ORPHAN_UPLOAD_AFTER_CLOSE": False,  # interactions F x S: an upload left open after close(), under lost answers and 500s
+    "ORPHAN_UPLOAD_AFTER_CLOSE": True,  # interactions F x S (fixed): a late 5xx create left an upload open after close()
     "STOCK_RESUME_INTO_TOMBSTONE": True,  # issue 56 ("read", fixed): gc's tombstone was the highest step a stock resume saw
 }
 _asked = os.environ.get("DCPSTORE_MODEL_DEFECTS", "")
@@ -212,6 +212,16 @@ class CheckpointWorld(RuleBasedStateMachine):
     def _url(self, number: int) -> str:
         return f"s3://{self.bucket}/{self.storage.step_prefix(number)}"
 
+    def _let_late_requests_land(self) -> None:
+        """Wait until every request a fault answered early (``lands_after``) reached the server: what a writer's close() can clean up.
+
+        An upload a late create makes after close() is gc's (documented);
+        before it, the writer's close must abort it.
+        """
+        for late in list(self.proxy.rules):
+            if late.lands_after is not None and late.hits:
+                late.landed.wait(WAIT)
+
     def _operation_done(self) -> None:
         """Faults last for one operation."""
         self.proxy.rules.clear()
@@ -257,6 +267,9 @@ class CheckpointWorld(RuleBasedStateMachine):
         "lost_create_answer": dict(method="POST", pattern=r"\.distcp\?uploads", drop_response=True, times=1),
         "late_5xx_completion": dict(method="POST", pattern=r"\.distcp\?uploadId=", status=500, code="InternalError",
                                     lands_after=0.2, times=1),
+        # A gateway's 500 to CreateMultipartUpload that the store completes later: a second upload of the key.
+        "late_5xx_create": dict(method="POST", pattern=r"\.distcp\?uploads", status=500, code="InternalError",
+                                lands_after=0.2, times=1),
     }
 
     @precondition(lambda self: not self.faults)  # one kind at a time: the operation after it meets that fault
@@ -330,6 +343,7 @@ class CheckpointWorld(RuleBasedStateMachine):
             self.oracle.committed(number, content)
         finally:
             if not reused:
+                self._let_late_requests_land()
                 writer.close()
             self._operation_done()
         if not reused:

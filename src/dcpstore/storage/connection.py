@@ -44,6 +44,9 @@ class Connection:
         # Multipart uploads whose abort failed, still being aborted in the
         # background: (store, key, upload id, future); see S3ObjectStore.abort_later.
         self.unaborted: set[tuple] = set()
+        # Shard keys a CreateMultipartUpload may still have made an upload for unseen:
+        # (store, key, the upload id in use); see S3ObjectStore.look_for_leaked_uploads_at_close.
+        self.leak_checks: set[tuple] = set()
         self.closed = False
 
     def lease(self) -> bool:

@@ -62,6 +62,8 @@ class PartStore(Protocol):
     async def _abort(self, key: str, upload_id: str, *, in_save: bool = True) -> None: ...
     def abort_upload(self, key: str, upload_id: str) -> None: ...
     def abort_later(self, key: str, upload_id: str) -> None: ...
+    async def _abort_others(self, key: str, keep: str) -> None: ...
+    def look_for_leaked_uploads_at_close(self, key: str, keep: str) -> None: ...
     async def _check_condition_async(self, key: str, if_none_match: bool, if_match: str | None) -> None: ...
 
 
@@ -405,7 +407,9 @@ class MultipartObjectWriter(ObjectWriter):
         When an attempt's response is lost, S3 may still have created an
         upload that no one knows the id of.  Shard keys are unique to one
         save of one rank (see ``ObjectStoreWriter``), so any other open
-        upload of exactly this key is such a leak.
+        upload of exactly this key is such a leak: looked for now, and, where
+        an attempt may still land (a 5xx a gateway sent while the store went
+        on), again when the store's owner closes.
         """
         store, tries = self._store, Tries()
         algorithm = {} if self._crc32s is None else {"ChecksumAlgorithm": "CRC32"}
@@ -416,11 +420,13 @@ class MultipartObjectWriter(ObjectWriter):
         upload_id = resp["UploadId"]
         if tries.count > 1:
             try:
-                for upload in await store._list_uploads(self._key, folder=False):
-                    if upload.key == self._key and upload.upload_id != upload_id:
-                        await store._abort(upload.key, upload.upload_id)
+                await store._abort_others(self._key, upload_id)
             except Exception as e:  # noqa: BLE001 - gc reclaims what this misses
                 logger.warning("%s: could not look for leaked multipart uploads: %s", store.url_for(self._key), e)
+        if tries.may_have_landed:
+            # An attempt answered 5xx (or not at all) may still create an upload after this look:
+            # the store's owner looks again as it closes (settle_aborts).
+            store.look_for_leaked_uploads_at_close(self._key, upload_id)
         return upload_id
 
     async def _complete_upload(self, etags: list[str]) -> None:

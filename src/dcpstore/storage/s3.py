@@ -376,7 +376,24 @@ class S3ObjectStore(S3Requests):
                 error = e
         raise error
 
+    async def _abort_others(self, key: str, keep: str) -> None:
+        """Abort every open upload of exactly ``key`` but ``keep`` (a shard key is one save's alone: the others leaked)."""
+        for upload in await self._list_uploads(key, folder=False):
+            if upload.key == key and upload.upload_id != keep:
+                await self._abort(upload.key, upload.upload_id, in_save=False)
+
+    def look_for_leaked_uploads_at_close(self, key: str, keep: str) -> None:
+        """Have ``settle_aborts`` abort any other upload of ``key`` than ``keep``: a create that may land unseen, after its own look."""
+        self._connection.leak_checks.add((self, key, keep))
+
     def settle_aborts(self) -> None:
+        for owner, key, keep in list(self._connection.leak_checks):  # any store's, as below
+            self._connection.leak_checks.discard((owner, key, keep))
+            try:
+                self._run(owner._abort_others(key, keep))
+            except Exception as e:  # noqa: BLE001
+                logger.warning("%s: could not look for leaked multipart uploads (%s); `dcpstore gc %s` removes any",
+                               owner.url_for(key), e, owner.url)
         for entry in list(self._connection.unaborted):  # any store's: a checkpointer moves its writer's store every step
             self._connection.unaborted.discard(entry)
             owner, key, upload_id, background = entry
