@@ -410,7 +410,8 @@ class AsyncCheckpointer:
                 record = by_step.get(record.parent) if record.parent is not None else None
             return [r.step for r in records if r.step not in lineage]
 
-        return self._coll.agreed(off, self.root, f"listing the steps off step {step}'s lineage")
+        # Tensor collectives only: it runs at the first save after a resume, which runs no object collective.
+        return self._coll.agreed_ints(off, self.root, f"listing the steps off step {step}'s lineage")
 
     def discard_step(self, step: int) -> None:
         """Delete committed step ``step``'s checkpoint (``.metadata`` first; your files in its folder stay).  Call it on every rank.

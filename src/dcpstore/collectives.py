@@ -128,6 +128,29 @@ class Collectives:
         gathered = self.all_gather(_portable(error) if error is not None else None)
         return {r: error if r == self.rank else e for r, e in enumerate(gathered) if e is not None}
 
+    def agreed_ints(self, fn: Callable[[], list[int]], where: str, what: str) -> list[int]:
+        """``fn()``, a list of ints run on the coordinator, on every rank, through tensor collectives alone (``agreed`` pickles).
+
+        Two broadcasts: the count (-1: ``fn`` failed, raised on every rank),
+        then the values.  For a check on every save's path, where the first
+        save after a resume runs no object collective.
+        """
+        values, error = None, None
+        if self.is_coordinator:
+            try:
+                values = [int(v) for v in fn()]
+            except Exception as e:  # noqa: BLE001 - the peers wait in the broadcast: they must hear of it
+                error = e
+        count = self.broadcast_code(len(values) if values is not None else -1)
+        if count < 0:
+            if isinstance(error, DcpstoreError):
+                raise error
+            raise DcpstoreError(f"{where}: {what} failed" + (f": {describe(error)}" if error is not None else " on the coordinator"))
+        out = torch.tensor(values if values is not None else [0] * count, dtype=torch.int64)
+        if self.enabled and count:
+            dist.broadcast(out, src=self.coordinator, group=self.group)
+        return out.tolist()
+
     def agreed(self, fn: Callable[[], Any], where: str, what: str) -> Any:
         """``fn()``, run on the coordinator, on every rank; its error raised on every rank (not a peer left waiting)."""
         result = None

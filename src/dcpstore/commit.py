@@ -222,7 +222,7 @@ class Destination:
     """One save's ``.metadata`` key: what it holds as the save begins, and the commit that replaces exactly that.
 
     A new step commits with ``If-None-Match: *``; a step where a collection
-    left its tombstone (``layout.lay_tombstone``), with ``If-Match`` on the
+    left its tombstone (``collection.mark``), with ``If-Match`` on the
     tombstone's ETag noted as the save began; an overwrite, with
     ``If-Match`` on the ETag of the ``.metadata`` read at planning time, so
     it never replaces a commit it has not seen, and afterwards it deletes
