@@ -124,7 +124,7 @@ def test_failed_saves_never_cost_a_committed_step_and_debris_goes(bucket, s3, pr
     assert after_commit == [2, 5]
     keys = {"/".join(o["Key"].split("/")[1:3]) for o in s3.list_objects_v2(Bucket=bucket)["Contents"]}
     assert {k.split("/")[0] for k in keys} == {"step-0", "step-2", "step-5"}
-    assert [k for k in keys if k.startswith("step-0/")] == ["step-0/.metadata"]  # gc's tombstone: the shard went
+    assert [k for k in keys if k.startswith("step-0/")] == ["step-0/.metadata"]  # the sweep's tombstone: the shard went
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: torchtitan's stager for async_with_pinned_mem refuses to run without an accelerator")

@@ -190,9 +190,17 @@ def rollbacks_delete_only_reused_abandoned_steps(rank, world_size, root):
 
 
 def failed_saves(rank, world_size, root, proxy_endpoint):
-    """keep_latest_k=2: steps 1-2 commit, the proxy fails steps 3-4, step 5 commits; committed steps after each phase."""
-    import dcpstore
+    """keep_latest_k=2: steps 1-2 commit, the proxy fails steps 3-4, step 5 commits; committed steps after each phase.
 
+    Retention with ``gc_grace`` marks the killed save's debris at one
+    commit and sweeps it at a later one, each once it is a grace old: the
+    waits make steps 1 and 5 those commits, on a busy box or an idle one.
+    """
+    import dcpstore
+    from conftest import wait_until_older_than
+
+    store = dcpstore.storage.open_store(root, storage_options={"endpoint_url": proxy_endpoint})
+    wait_until_older_than(store, 1)  # the debris is dead at step 1's commit: marked
     job = Job(root, keep_latest_k=2, gc_grace=1, storage_options={"endpoint_url": proxy_endpoint})
     job.train_and_save(2)
     errors = []
@@ -203,9 +211,11 @@ def failed_saves(rank, world_size, root, proxy_endpoint):
         except dcpstore.CheckpointSaveError as e:
             errors.append(str(e))
     after_failures = job.manager.checkpointer.committed_steps()
+    wait_until_older_than(store, 1)  # the mark is a grace old at step 5's commit: swept
     job.train_and_save(1)
     after_commit = job.manager.checkpointer.committed_steps()
     job.close()
+    store.close()
     return errors, after_failures, after_commit
 
 
