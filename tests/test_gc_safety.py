@@ -269,12 +269,6 @@ def test_a_running_saves_lease_keeps_gc_from_marking_its_step(bucket, store, pro
     assert "step_00000004/.metadata" in keys and not any(".dcpstore-lease-" in k for k in keys), keys
 
 
-def _aged(store, grace: float = 1.0) -> None:
-    newest = max(o.last_modified or 0.0 for o in store.list())
-    while store.server_time() - newest <= grace:
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize("scheme", ["file", "memory"])
 def test_on_a_filesystem_a_sweep_or_an_unmark_never_undoes_a_commit_made_after_the_listing(scheme, tmp_path):
     """A filesystem lists no ETags: the sweep reads the mark again, and deletes hold each object to its listed size and time.
@@ -289,9 +283,9 @@ def test_on_a_filesystem_a_sweep_or_an_unmark_never_undoes_a_commit_made_after_t
         step = 1 if phase == "sweep" else 2
         store.put(f"step_0000000{step}/__0_dead_0.distcp", b"debris of a failed save")
         for _ in range(1 if phase == "sweep" else 2):  # marked (and swept)
-            _aged(store)
+            wait_until_older_than(store, 1.0)
             plan_gc(store, None, 1.0).run(store)
-        _aged(store)
+        wait_until_older_than(store, 1.0)
         plan = plan_gc(store, None, 1.0)
         assert [s.step for s in (plan.sweeps if phase == "sweep" else plan.unmarks)] == [step]
         state = sample_state_dict()
@@ -330,7 +324,7 @@ def test_gc_now_leaves_no_tombstone_behind(tmp_path, capsys):
     root = f"file://{tmp_path}/run"
     store = open_store(root)
     store.put("step_00000001/__0_a_0.distcp", b"debris of an old failed save")
-    _aged(store, 1.5)
+    wait_until_older_than(store, 1.5)
     store.put("step_00000002/__0_b_0.distcp", b"debris of the save that failed just now")
     assert main(["gc", root, "--grace", "1", "--now"]) == 0
     assert "done: 1 incomplete steps marked, 1 deleted, 1 tombstones removed" in capsys.readouterr().out
